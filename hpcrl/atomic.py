@@ -1,0 +1,111 @@
+"""Atomic publication of files and directories on a shared filesystem.
+
+Every file another process reads is written as ``<name>.tmp.<pid>``, flushed,
+fsynced and then ``os.replace``d onto its final name, so readers that list
+only final names never see a partial file. Directories are built under
+``<name>.tmp.<pid>/`` and renamed as a whole. No ``flock``: this must hold on
+NFS and Lustre.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+TMP_MARK = ".tmp."
+
+
+def is_temporary(name: str) -> bool:
+    """True for names produced by this module while a write is in flight."""
+    return TMP_MARK in name
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (best effort where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+@contextlib.contextmanager
+def temporary_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path``; on success rename it onto ``path``.
+
+    The caller writes and closes the file (e.g. with h5py); this fsyncs it and
+    publishes it. On error the temporary file is removed.
+    """
+    path = Path(path)
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name and rename it onto ``path``.
+
+    ``path`` must not exist yet (published directories are immutable).
+    """
+    path = Path(path)
+    tmp = _tmp_name(path)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            if child.is_file():
+                with open(child, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
