@@ -1,0 +1,177 @@
+"""Typed configuration: YAML + ``key=value`` overrides into dataclasses.
+
+Each component owns a dataclass config (``AlgoConfig``, ``RolloutConfig``,
+...); :class:`RunConfig` composes them. :func:`load_config` merges a YAML file
+with command-line overrides through OmegaConf, then builds the dataclasses
+field by field, checking every value against its annotation (``Literal``
+choices, numbers, booleans, optionals, nested sections). Any problem raises
+:class:`ConfigError` naming the full key and what is allowed, before anything
+is started. The resolved config is saved as ``<run_dir>/config.yaml`` and is
+what every component process reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hpcrl import atomic
+from hpcrl.admission.config import AdmissionConfig
+from hpcrl.algo.config import AlgoConfig
+from hpcrl.data.config import DataConfig
+from hpcrl.eval.config import EvalConfig
+from hpcrl.launch.config import LaunchConfig
+from hpcrl.model.config import ModelConfig
+from hpcrl.reward.runner import RewardConfig
+from hpcrl.rollout.config import RolloutConfig
+from hpcrl.sft.warm_start import SFTConfig
+from hpcrl.trainer.config import TrainerConfig
+from hpcrl.weights.config import WeightsConfig
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = ""  # experiment directory on the shared filesystem; "" = runs/<name>-<timestamp>
+    name: str = "run"  # experiment name (used in the default run_dir and logs)
+    seed: int = 0  # global seed: data order, sampling, init
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load ``path`` (YAML) with ``key=value`` overrides into a validated RunConfig."""
+    try:
+        base = OmegaConf.load(path) if path else OmegaConf.create({})
+        if path and not isinstance(OmegaConf.to_container(base), dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        bad = [o for o in overrides or [] if "=" not in o]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot read config: {e}") from e
+    return build(RunConfig, data or {}, "")
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Build a RunConfig from a plain dict (as saved in config.yaml)."""
+    return build(RunConfig, data, "")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: RunConfig, path: str | Path) -> None:
+    atomic.write_text(path, OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+
+
+def load_saved(run_dir: str | Path) -> RunConfig:
+    """The resolved config a component reads from its run directory."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: is {run_dir} a run directory?")
+    return from_dict(OmegaConf.to_container(OmegaConf.load(path)))
+
+
+def build(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, checking keys and types."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a section (mapping), got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys in {where}: {', '.join(names)}")
+    kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{prefix}{e}") from e
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return type(value)(_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)) if origin is list else tuple(
+            _coerce(args[min(i, len(args) - 1)], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    return _scalar(tp, value, key)
+
+
+def _scalar(tp: Any, value: Any, key: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")

@@ -1,0 +1,116 @@
+"""Synthetic addition datasets ("12+47=" -> "59") for the CPU demo and tests.
+
+``write_addition_dataset`` writes ``train.jsonl`` and ``eval.jsonl`` and then
+``meta.json`` last: meta.json is the commit marker. A second call with the
+same parameters finds a matching meta.json and reuses the files, so many
+processes (or a resubmitted job) can call it safely; every file is published
+atomically. Evaluation problems are distinct from each other and never appear
+in the training set (compared by prompt). Generation is deterministic in
+(seed, digits, sizes): ``random.Random`` seeded with a string is stable across
+Python processes and versions.
+
+CLI: ``python -m hpcrl.data.arithmetic --out DIR [--n-train 20000 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+
+from hpcrl import atomic
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def _operand_range(digits: int) -> tuple[int, int]:
+    if not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"digits: must be an integer >= 1, got {digits!r}")
+    return 10 ** (digits - 1), 10**digits - 1
+
+
+def _problem(rng: random.Random, lo: int, hi: int) -> dict:
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def addition_problems(n: int, seed: int, digits: int = 2) -> list[dict]:
+    """``n`` i.i.d. problems with both operands uniform over the ``digits``-digit numbers."""
+    if n < 0:
+        raise ValueError(f"n: must be >= 0, got {n}")
+    lo, hi = _operand_range(digits)
+    rng = random.Random(f"addition/{seed}/{digits}")
+    return [_problem(rng, lo, hi) for _ in range(n)]
+
+
+def _split(n_train: int, n_eval: int, seed: int, digits: int) -> tuple[list[dict], list[dict]]:
+    lo, hi = _operand_range(digits)
+    space = (hi - lo + 1) ** 2
+    if n_eval >= space:
+        raise ValueError(f"n_eval: must be < {space} (all {digits}-digit problems), got {n_eval}")
+    rng = random.Random(f"addition-eval/{seed}/{digits}")
+    eval_rows: dict[str, dict] = {}
+    while len(eval_rows) < n_eval:
+        p = _problem(rng, lo, hi)
+        eval_rows.setdefault(p["prompt"], p)
+    rng = random.Random(f"addition-train/{seed}/{digits}")
+    train: list[dict] = []
+    while len(train) < n_train:
+        p = _problem(rng, lo, hi)
+        if p["prompt"] not in eval_rows:
+            train.append(p)
+    return train, list(eval_rows.values())
+
+
+def _jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def write_addition_dataset(
+    out_dir: Path, n_train: int = 20000, n_eval: int = 500, seed: int = 0, digits: int = 2
+) -> tuple[Path, Path]:
+    """Write (or reuse) ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl``; return their paths."""
+    if n_train < 1:
+        raise ValueError(f"n_train: must be >= 1, got {n_train}")
+    if n_eval < 1:
+        raise ValueError(f"n_eval: must be >= 1, got {n_eval}")
+    out = Path(out_dir).expanduser()
+    train_path, eval_path, meta_path = out / "train.jsonl", out / "eval.jsonl", out / "meta.json"
+    meta = {"kind": "addition", "format_version": FORMAT_VERSION, "n_train": n_train,
+            "n_eval": n_eval, "seed": seed, "digits": digits}
+    if train_path.exists() and eval_path.exists() and meta_path.exists():
+        try:
+            if atomic.read_json(meta_path) == meta:
+                log.info("reusing addition dataset in %s", out)
+                return train_path, eval_path
+        except json.JSONDecodeError:
+            log.warning("%s: unreadable meta.json, regenerating", out)
+        log.warning("%s: dataset parameters changed, regenerating", out)
+    train, evals = _split(n_train, n_eval, seed, digits)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path.unlink(missing_ok=True)  # uncommit before replacing the data
+    atomic.write_text(train_path, _jsonl(train))
+    atomic.write_text(eval_path, _jsonl(evals))
+    atomic.write_json(meta_path, meta)
+    log.info("wrote %d train / %d eval addition problems to %s", n_train, n_eval, out)
+    return train_path, eval_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write an addition dataset (train.jsonl, eval.jsonl).")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--n-train", type=int, default=20000)
+    parser.add_argument("--n-eval", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits", type=int, default=2)
+    args = parser.parse_args(argv)
+    train, evals = write_addition_dataset(Path(args.out), args.n_train, args.n_eval, args.seed, args.digits)
+    print(f"train: {train}\neval: {evals}")
+
+
+if __name__ == "__main__":
+    main()

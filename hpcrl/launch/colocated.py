@@ -1,0 +1,70 @@
+"""Colocated mode: one process alternates generation and training.
+
+``python -m hpcrl.launch.colocated --run-dir DIR``. The trainer's schedule
+(:func:`hpcrl.trainer.main.train_loop`) runs unchanged; while it waits for a
+batch it pumps an in-process rollout worker, and a new version is handed to
+that worker's engine in memory (no disk, no collective). With
+``admission.max_staleness=0`` this is classic synchronous RL on one device,
+the baseline the asynchronous modes are measured against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrl import atomic
+from hpcrl.config import load_saved
+from hpcrl.launch.dist import init_from_env
+from hpcrl.launch.heartbeat import Heartbeat
+from hpcrl.launch.logs import setup_logging
+from hpcrl.launch.prepare import load_prepared
+from hpcrl.model.hf_io import load_tokenizer
+from hpcrl.rollout.main import build_worker
+from hpcrl.trainer.fsdp import FSDPEngine
+from hpcrl.trainer.main import build_rank0, train_loop
+
+log = logging.getLogger(__name__)
+
+
+def run(run_dir: Path) -> None:
+    cfg, prep = load_saved(run_dir), load_prepared(run_dir)
+    setup_logging("colocated")
+    if cfg.trainer.world_size != 1:
+        raise ValueError("trainer.world_size: colocated mode runs a single process; set it to 1")
+    ctx = init_from_env(cfg.trainer.backend)
+    torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer(prep.init_model)
+    engine = FSDPEngine(prep.init_model, cfg.trainer, cfg.algo, ctx, tokenizer.pad_token_id)
+    worker = build_worker(cfg, run_dir, prep, 0)
+    feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer)
+    heartbeat = Heartbeat(run_dir, "colocated", cfg.launch.heartbeat_interval_s)
+
+    def wait() -> None:
+        if not worker.pump():
+            time.sleep(cfg.rollout.poll_interval_s)
+
+    try:
+        train_loop(cfg, ctx, engine, feed, reporter, worker.engine.update_weights, wait=wait, heartbeat=heartbeat)
+        atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
+    finally:
+        reporter.close()
+        runner.close()
+        worker.reward.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.launch.colocated", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    run(parser.parse_args(argv).run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Heartbeats: one small JSON file per live component process.
+
+A component calls :meth:`Heartbeat.beat` often (cheap: it writes at most
+once per interval); the file ``<run_dir>/heartbeats/<name>.json`` carries the
+wall time, pid, host and whatever progress the component reports. A
+supervisor reads them with :func:`read_heartbeats` to tell a live process
+from a hung one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcrl import atomic
+
+
+class Heartbeat:
+    def __init__(self, run_dir: str | Path, name: str, interval_s: float = 5.0) -> None:
+        self.path = Path(run_dir) / "heartbeats" / f"{name}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def beat(self, force: bool = False, **info: Any) -> None:
+        now = time.time()
+        if force or now - self._last >= self.interval_s:
+            atomic.write_json(self.path, {"time": now, "pid": os.getpid(), "host": socket.gethostname(), **info})
+            self._last = now
+
+
+def read_heartbeats(run_dir: str | Path) -> dict[str, dict]:
+    out = {}
+    for p in (Path(run_dir) / "heartbeats").glob("*.json"):
+        if not atomic.is_temporary(p.name):
+            out[p.stem] = atomic.read_json(p)
+    return out

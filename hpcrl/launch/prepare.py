@@ -1,0 +1,109 @@
+"""Run preparation, done once by the submitting process before any component starts.
+
+Order: datasets (synthetic ones are generated into a cache and reused) ->
+base model (a tiny model is built if asked and missing) -> dataset rows are
+checked against the tokenizer -> SFT warm start (cached by content hash) ->
+``<run_dir>/prepared.json`` records the resolved paths every component reads
+(:func:`load_prepared`). Everything here fails with a clear message before a
+single component is launched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpcrl import atomic
+from hpcrl.config import RunConfig
+from hpcrl.data.arithmetic import write_addition_dataset
+from hpcrl.data.rows import Row, load_rows
+from hpcrl.model.hf_io import load_tokenizer, unknown_characters
+from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
+from hpcrl.reward.runner import RewardRunner
+from hpcrl.sft.warm_start import warm_start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    init_model: str  # the policy at version 0 (SFT output or the base model)
+    base_model: str
+    train_path: str
+    eval_path: str
+    sft_accuracy: float | None = None  # greedy accuracy the warm start stopped at (its own eval subset)
+    sft_steps: int = 0
+    sft_cached: bool = False
+
+
+def load_prepared(run_dir: str | Path) -> Prepared:
+    return Prepared(**atomic.read_json(Path(run_dir) / "prepared.json"))
+
+
+def dataset_paths(cfg: RunConfig) -> tuple[Path, Path]:
+    d = cfg.data
+    if d.synthetic == "addition":
+        out = Path(d.synthetic_dir).expanduser() / f"addition-d{d.synthetic_digits}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}"
+        return write_addition_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits)
+    train = Path(d.train_path).expanduser()
+    return train, Path(d.eval_path).expanduser() if d.eval_path else train
+
+
+def base_model_path(cfg: RunConfig) -> Path:
+    m = cfg.model
+    if not m.tiny:
+        path = Path(m.path).expanduser()
+        if not (path / "config.json").exists():
+            raise ValueError(f"model.path: {path} is not a HuggingFace model folder (no config.json)")
+        return path
+    tiny = TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed)
+    key = hashlib.sha256(json.dumps(asdict(tiny), sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(m.path).expanduser() if m.path else Path(m.cache_dir).expanduser() / f"tiny-qwen3-{key}"
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building a tiny Qwen3 model at %s", path)
+        build_tiny_model(path, tiny)
+    return path
+
+
+def load_datasets(cfg: RunConfig, tokenizer, train_path: Path, eval_path: Path) -> tuple[list[Row], list[Row]]:
+    """Rows of both splits; rows the tokenizer cannot represent count as bad rows."""
+    def validate(row: Row) -> str | None:
+        bad = unknown_characters(tokenizer, row.prompt + row.answer)
+        return f"characters not in the tokenizer's vocabulary: {sorted(bad)}" if bad else None
+
+    kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+              on_bad_row=cfg.data.on_bad_row, validate=validate)
+    return load_rows(train_path, **kw), load_rows(eval_path, **kw)
+
+
+def scorer(runner: RewardRunner):
+    """Adapt the reward runner to the ``score(prompt, response, row)`` the evaluators take."""
+    def score(prompt: str, response: str, row: Row) -> float:
+        return runner.score(prompt, response, {"answer": row.answer, **row.extra}).reward
+    return score
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:
+    train_path, eval_path = dataset_paths(cfg)
+    base = base_model_path(cfg)
+    tokenizer = load_tokenizer(base)
+    train_rows, eval_rows = load_datasets(cfg, tokenizer, train_path, eval_path)
+    log.info("data: %d train rows (%s), %d eval rows (%s)", len(train_rows), train_path, len(eval_rows), eval_path)
+    prepared = Prepared(init_model=str(base), base_model=str(base), train_path=str(train_path), eval_path=str(eval_path))
+    if cfg.sft.enabled:
+        runner = RewardRunner(cfg.reward)
+        try:
+            res = warm_start(cfg.sft, base, train_rows, eval_rows, scorer(runner),
+                             max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
+        finally:
+            runner.close()
+        prepared.init_model, prepared.sft_accuracy = str(res.path), res.accuracy
+        prepared.sft_steps, prepared.sft_cached = res.steps, res.cached
+        log.info("SFT warm start: accuracy %.3f after %d steps (%s)", res.accuracy, res.steps,
+                 "cached" if res.cached else f"{res.seconds:.0f}s")
+    atomic.write_json(run_dir / "prepared.json", asdict(prepared))
+    return prepared

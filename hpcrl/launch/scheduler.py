@@ -1,0 +1,80 @@
+"""The scheduler boundary: start, watch and stop component processes.
+
+:class:`LocalScheduler` runs every component as a local subprocess in its own
+session (so a whole process tree can be signalled), with stdout and stderr
+appended to a log file in the run directory. A Slurm implementation of the
+same Protocol submits each component as its own job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class ComponentSpec:
+    name: str  # e.g. "trainer-r0", "rollout-1"
+    argv: list[str]  # command line (python -m ...)
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to the parent's environment
+
+
+class ComponentFailed(RuntimeError):
+    def __init__(self, name: str, job_id: str, exit_code: int, log_tail: str) -> None:
+        super().__init__(f"{name} (job {job_id}) exited with code {exit_code}; last log lines:\n{log_tail}")
+        self.name, self.job_id, self.exit_code, self.log_tail = name, job_id, exit_code, log_tail
+
+
+class Scheduler(Protocol):
+    def submit(self, spec: ComponentSpec) -> str: ...
+
+    def poll(self, job_id: str) -> int | None: ...
+
+    def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None: ...
+
+
+class LocalScheduler:
+    def __init__(self) -> None:
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    def submit(self, spec: ComponentSpec) -> str:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **spec.env}, start_new_session=True)
+        self._procs[str(proc.pid)] = proc
+        return str(proc.pid)
+
+    def poll(self, job_id: str) -> int | None:
+        return self._procs[job_id].poll()
+
+    def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None:
+        proc = self._procs[job_id]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, job_id: str, timeout: float) -> int | None:
+        try:
+            return self._procs[job_id].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"

@@ -1,0 +1,3 @@
+from hpcrl.rollout.main import main
+
+main()

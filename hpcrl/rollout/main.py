@@ -1,0 +1,80 @@
+"""The rollout component: ``python -m hpcrl.rollout --run-dir DIR --replica K``.
+
+Lifecycle: read ``config.yaml`` and ``prepared.json`` -> load the initial
+policy into the embedded engine and take the newest published weights ->
+run the :class:`RolloutWorker` loop (admit, generate, score, publish) until
+the trainer writes ``DONE`` -> exit 0. Any number of replicas may run at the
+same time or join later: admission is global in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.config import RunConfig, load_saved
+from hpcrl.launch.heartbeat import Heartbeat
+from hpcrl.launch.logs import setup_logging
+from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared
+from hpcrl.model.hf_io import load_model, load_tokenizer
+from hpcrl.reward.runner import RewardRunner
+from hpcrl.rollout.engine import SamplingParams
+from hpcrl.rollout.torch_engine import TorchEngine
+from hpcrl.rollout.worker import RolloutWorker
+from hpcrl.spool.store import Spool
+from hpcrl.weights.transport import DiskWeights
+
+log = logging.getLogger(__name__)
+
+
+def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *, model=None,
+                 weights: DiskWeights | None = None) -> RolloutWorker:
+    """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
+    tokenizer = load_tokenizer(prep.init_model)
+    train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    engine = TorchEngine(model if model is not None else load_model(prep.init_model),
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         max_batch_size=cfg.rollout.max_batch_size,
+                         sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                                 temperature=cfg.rollout.temperature),
+                         seed=cfg.seed * 1000 + replica)
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
+    return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
+                         ledger=ledger, spool=Spool(run_dir / "spool"), reward=RewardRunner(cfg.reward),
+                         writer=f"r{replica}", weights=weights, chat_template=cfg.data.chat_template)
+
+
+def run(run_dir: Path, replica: int) -> None:
+    cfg, prep = load_saved(run_dir), load_prepared(run_dir)
+    setup_logging(f"rollout {replica}")
+    torch.set_num_threads(cfg.rollout.threads)
+    worker = build_worker(cfg, run_dir, prep, replica, weights=DiskWeights(run_dir / "weights", cfg.weights))
+    heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
+    done = run_dir / "DONE"
+
+    def should_stop() -> bool:
+        s = worker.stats
+        heartbeat.beat(version=worker.engine.version, groups=s.groups_published, samples=s.samples_generated,
+                       tokens=s.tokens_generated, restarted=s.samples_restarted)
+        return done.exists()
+
+    log.info("rollout %d started (writer r%d, %d train rows)", replica, replica, len(worker.rows))
+    try:
+        worker.run(should_stop)
+    finally:
+        worker.reward.close()
+    s = worker.stats
+    log.info("rollout %d done: %d groups, %d samples, %d tokens, %d restarted, %d weight updates", replica,
+             s.groups_published, s.samples_generated, s.tokens_generated, s.samples_restarted, s.weight_updates)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--replica", type=int, default=0)
+    args = parser.parse_args(argv)
+    run(args.run_dir, args.replica)

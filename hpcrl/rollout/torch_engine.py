@@ -1,0 +1,302 @@
+"""The embedded torch inference engine: continuous batching over a HF model.
+
+Lifecycle of a sequence: ``add`` queues it; the next ``step`` admits it into
+a free slot of the running batch; each ``step`` then decodes one token for it
+until it emits eos ("stop") or reaches its max_new_tokens ("length"); the
+step that finishes it returns its Completion and frees the slot for the next
+step's admission.
+
+State invariant, kept by every operation: each running sequence has one
+*pending* token (the last token of prompt + output) that is not yet in the KV
+cache; everything before it is. The cache is left-padded: row i's real
+tokens are its last ``n_i = len(prompt) + len(output) - 1`` columns, so the
+attention mask and position ids are derived from ``n_i`` with no device sync.
+
+- admission prefills the new rows' ``tokens[:-1]`` as their own left-padded
+  batch and concatenates that cache with the running one (left-padding the
+  shorter); the decode step then feeds every row's pending token.
+- a finished row is dropped with ``index_select`` and leading columns that
+  are padding for every row are cut, so the cache does not grow without bound.
+- ``update_weights`` loads the new weights and rebuilds the whole cache by
+  the same prefill of ``tokens[:-1]`` (the old cache is wrong under new
+  weights); the pending token stays the next input, so no token is lost or
+  recomputed, and tokens sampled afterwards carry the new version.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping
+
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from hpcrl.rollout.engine import Completion, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    """A running sequence and what it has produced so far."""
+
+    request: Request
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def cached_len(self) -> int:
+        """Tokens of this row in the KV cache (all but the pending one)."""
+        return len(self.request.prompt_ids) + len(self.output_ids) - 1
+
+    def pending(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.request.prompt_ids[-1]
+
+    def completion(self, reason: str) -> Completion:
+        r = self.request
+        return Completion(r.id, list(r.prompt_ids), self.output_ids, self.logprobs, self.versions, reason)
+
+
+def _cache_len(cache: DynamicCache | None) -> int:
+    return 0 if cache is None else cache.layers[0].keys.shape[-2]
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim -2 (sequence) of a [B, H, S, D] tensor on the left to `length`."""
+    missing = length - t.shape[-2]
+    if missing == 0:
+        return t
+    pad = t.new_zeros(t.shape[0], t.shape[1], missing, t.shape[3])
+    return torch.cat([pad, t], dim=-2)
+
+
+class TorchEngine:
+    """Continuous-batching engine over a ``transformers`` causal LM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: transformers.PreTrainedModel,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_batch_size: int = 64,
+        sampling: SamplingParams = SamplingParams(),
+        version: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.sampling = sampling
+        self._version = version
+        self._device = next(model.parameters()).device
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(seed)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[_Seq] = []
+        self._cache: DynamicCache | None = None  # None while no row has a cached token
+        self._check_cache_layers()
+        self.stats: dict[str, float] = {
+            "tokens_generated": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_calls": 0,
+            "weight_updates": 0, "running_sum": 0, "mean_running_batch_size": 0.0,
+        }
+
+    def _check_cache_layers(self) -> None:
+        layers = DynamicCache(config=self.model.config).layers
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise ValueError(f"model: only full-attention DynamicLayer caches are supported, got {kinds}")
+
+    # ----------------------------------------------------------------- protocol
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add(self, request: Request) -> None:
+        self._waiting.append(request)
+
+    def step(self) -> list[Completion]:
+        with torch.inference_mode():
+            self._admit()
+            if not self._running:
+                return []
+            return self._decode()
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._check_state_dict(state_dict)
+        with torch.no_grad():
+            self.model.load_state_dict(dict(state_dict), strict=False)
+        self._version = version
+        self.stats["weight_updates"] += 1
+        with torch.inference_mode():
+            self._cache = self._prefill([s.tokens()[:-1] for s in self._running])
+        logger.info("weights now version %d; rebuilt the cache of %d running sequences",
+                    version, len(self._running))
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Add all requests, step until all are done, return them in request order."""
+        if self._running or self._waiting:
+            raise RuntimeError("generate() needs an idle engine; drive a busy one with add()/step()")
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("requests: ids must be unique")
+        for r in requests:
+            self.add(r)
+        done: dict[Hashable, Completion] = {}
+        while self._running or self._waiting:
+            for c in self.step():
+                done[c.id] = c
+        return [done[i] for i in ids]
+
+    # ----------------------------------------------------------------- weights
+
+    def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Reject unknown keys and missing parameters (a tied alias given counts)."""
+        own = set(self.model.state_dict().keys())
+        unexpected = sorted(set(state_dict) - own)
+        if unexpected:
+            raise ValueError(f"state_dict: unexpected keys {unexpected[:5]} (of {len(unexpected)})")
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        missing = [names[0] for names in aliases.values() if not any(n in state_dict for n in names)]
+        if missing:
+            raise ValueError(f"state_dict: missing parameters {missing[:5]} (of {len(missing)})")
+
+    # ----------------------------------------------------------------- batching
+
+    def _admit(self) -> None:
+        new: list[_Seq] = []
+        while self._waiting and len(self._running) + len(new) < self.max_batch_size:
+            r = self._waiting.popleft()
+            limit = r.max_new_tokens if r.max_new_tokens is not None else self.sampling.max_new_tokens
+            new.append(_Seq(r, limit))
+        if not new:
+            return
+        part = self._prefill([s.tokens()[:-1] for s in new])
+        self._cache = self._merge(self._cache, len(self._running), part, len(new))
+        self._running.extend(new)
+
+    def _prefill(self, contexts: list[list[int]]) -> DynamicCache | None:
+        """KV cache of left-padded `contexts`; None when all are empty."""
+        length = max((len(c) for c in contexts), default=0)
+        if length == 0:
+            return None
+        ids = [[self.pad_token_id] * (length - len(c)) + c for c in contexts]
+        mask = [[0] * (length - len(c)) + [1] * len(c) for c in contexts]
+        input_ids = torch.tensor(ids, device=self._device)
+        attention_mask = torch.tensor(mask, device=self._device)
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.stats["prefill_tokens"] += sum(len(c) for c in contexts)
+        self.stats["prefill_calls"] += 1
+        return cache
+
+    def _merge(self, a: DynamicCache | None, rows_a: int,
+               b: DynamicCache | None, rows_b: int) -> DynamicCache | None:
+        """Concatenate two left-padded caches along the batch (rows of `a` first)."""
+        if a is None and b is None:
+            return None
+        if rows_a == 0:
+            return b
+        length = max(_cache_len(a), _cache_len(b))
+        ref = (a if a is not None else b).layers
+        merged = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(merged.layers):
+            parts = []
+            for cache, rows in ((a, rows_a), (b, rows_b)):
+                k, v = ref[i].keys, ref[i].values
+                if cache is None:
+                    shape = (rows, k.shape[1], length, k.shape[3])
+                    parts.append((k.new_zeros(shape), v.new_zeros(shape)))
+                else:
+                    lay = cache.layers[i]
+                    parts.append((_left_pad(lay.keys, length), _left_pad(lay.values, length)))
+            keys = torch.cat([p[0] for p in parts])
+            values = torch.cat([p[1] for p in parts])
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        return merged
+
+    # ----------------------------------------------------------------- decoding
+
+    def _decode(self) -> list[Completion]:
+        seqs = self._running
+        length = _cache_len(self._cache)
+        cached = torch.tensor([s.cached_len() for s in seqs], device=self._device)
+        cols = torch.arange(length + 1, device=self._device)
+        # row i's real columns are its last cached_i plus the pending column
+        attention_mask = (cols[None, :] >= (length - cached)[:, None]).long()
+        input_ids = torch.tensor([[s.pending()] for s in seqs], device=self._device)
+        cache = self._cache if self._cache is not None else DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=cached[:, None], past_key_values=cache, use_cache=True)
+        self._cache = cache
+        tokens, logprobs = self._sample(out.logits[:, -1, :])
+        self._record_step(len(seqs))
+        finished: list[Completion] = []
+        keep: list[int] = []
+        for i, (s, tok, lp) in enumerate(zip(seqs, tokens, logprobs)):
+            s.output_ids.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self._version)
+            if tok == self.eos_token_id:
+                finished.append(s.completion("stop"))
+            elif len(s.output_ids) >= s.max_new_tokens:
+                finished.append(s.completion("length"))
+            else:
+                keep.append(i)
+        if finished:
+            self._drop_finished(keep)
+        return finished
+
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
+        if self.sampling.greedy:
+            tok = logp.argmax(dim=-1)
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=self._generator).squeeze(1)
+        lp = logp.gather(1, tok[:, None]).squeeze(1)
+        return tok.tolist(), lp.tolist()
+
+    def _record_step(self, batch: int) -> None:
+        st = self.stats
+        st["decode_steps"] += 1
+        st["tokens_generated"] += batch
+        st["running_sum"] += batch
+        st["mean_running_batch_size"] = st["running_sum"] / st["decode_steps"]
+
+    def _drop_finished(self, keep: list[int]) -> None:
+        """Remove finished rows and cut leading columns that are padding for every row."""
+        self._running = [self._running[i] for i in keep]
+        if not keep or self._cache is None:
+            self._cache = None
+            return
+        longest = max(s.cached_len() for s in self._running)
+        start = _cache_len(self._cache) - longest
+        idx = torch.tensor(keep, device=self._device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:, :]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:, :]

@@ -1,0 +1,150 @@
+"""The rollout loop: admit prompt groups, generate, score, publish to the spool.
+
+Lifecycle of one prompt group: a ticket is taken from the global admission
+ledger under the staleness bound (using the version of the weights this
+worker generates with) -> ``group_size`` requests enter the engine, whose
+continuous batching keeps every slot busy -> when all samples are done they
+are scored by the reward runner -> the group is published atomically to the
+spool as one HDF5 file.
+
+Ordering rules, checked at every :meth:`RolloutWorker.pump`:
+
+1. new weights first: when a newer version is published the engine is
+   interrupted and continues under it (tokens keep their versions);
+2. then admission, keeping the engine's slots plus one group's worth of
+   queue filled;
+3. then one engine step. A finished sample whose first token is already more
+   than ``max_staleness`` versions behind the weights in hand could never be
+   trained, so it is regenerated rather than published.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from hpcrl.admission.config import AdmissionConfig
+from hpcrl.admission.ledger import AdmissionLedger, Ticket
+from hpcrl.data.rows import Row
+from hpcrl.model.hf_io import encode_prompt
+from hpcrl.reward.runner import RewardRunner
+from hpcrl.rollout.config import RolloutConfig
+from hpcrl.rollout.engine import Completion, InferenceEngine, Request
+from hpcrl.spool.format import Sample, TrajectoryGroup
+from hpcrl.spool.store import Spool
+from hpcrl.weights.transport import WeightTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    ticket: Ticket
+    row: Row
+    prompt_ids: list[int]
+    done: list[Completion | None]
+
+
+@dataclass
+class RolloutStats:
+    groups_published: int = 0
+    samples_generated: int = 0
+    tokens_generated: int = 0
+    samples_restarted: int = 0
+    weight_updates: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
+                 rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: RewardRunner, writer: str,
+                 weights: WeightTransport | None = None, chat_template: bool = False) -> None:
+        self.cfg, self.admission = cfg, admission
+        self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
+        self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
+        self.writer, self.chat_template = writer, chat_template
+        self.groups: dict[int, _Group] = {}
+        self.stats = RolloutStats()
+
+    def run(self, should_stop: Callable[[], bool], on_idle: Callable[[], None] | None = None) -> None:
+        """Pump until ``should_stop()``; sleep briefly whenever there is nothing to do."""
+        while not should_stop():
+            if not self.pump():
+                if on_idle:
+                    on_idle()
+                time.sleep(self.cfg.poll_interval_s)
+
+    def pump(self) -> bool:
+        """One iteration of the loop; False when blocked (no admission, nothing running)."""
+        self._maybe_update_weights()
+        self._admit()
+        if self.engine.num_running() == 0 and self.engine.num_waiting() == 0:
+            return False
+        for completion in self.engine.step():
+            self._collect(completion)
+        return True
+
+    # -- steps of the loop -----------------------------------------------------
+    def _maybe_update_weights(self) -> None:
+        if self.weights is None:
+            return
+        latest = self.weights.latest_version()
+        if latest <= self.engine.version:
+            return
+        try:
+            state = self.weights.fetch(latest)
+        except FileNotFoundError:  # pruned between the two reads: a newer one is already out
+            return
+        self.engine.update_weights(state, latest)
+        self.stats.weight_updates += 1
+        log.debug("weights updated to version %d", latest)
+
+    def _admit(self) -> None:
+        in_flight_cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
+        while self.engine.num_running() + self.engine.num_waiting() < in_flight_cap:
+            ticket = self.ledger.try_admit(self.engine.version, self.writer)
+            if ticket is None:
+                return
+            self.admit_ticket(ticket)
+
+    def admit_ticket(self, ticket: Ticket) -> None:
+        row = self.rows[ticket.row]
+        prompt_ids = encode_prompt(self.tokenizer, row.prompt, self.chat_template)
+        self.groups[ticket.index] = _Group(ticket, row, prompt_ids, [None] * self.cfg.group_size)
+        for i in range(self.cfg.group_size):
+            self.engine.add(Request(id=(ticket.index, i), prompt_ids=prompt_ids))
+
+    def _collect(self, c: Completion) -> None:
+        index, i = c.id
+        head = min(c.versions) if c.versions else self.engine.version
+        if head < self.engine.version - self.admission.max_staleness:
+            self.stats.samples_restarted += 1
+            self.engine.add(Request(id=c.id, prompt_ids=c.prompt_ids))
+            return
+        group = self.groups[index]
+        group.done[i] = c
+        self.stats.samples_generated += 1
+        self.stats.tokens_generated += len(c.output_ids)
+        if all(d is not None for d in group.done):
+            self._publish(self.groups.pop(index))
+
+    def _publish(self, group: _Group) -> None:
+        texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in group.done]
+        row = group.row
+        results = self.reward.score_many([(row.prompt, t, {"answer": row.answer, **row.extra}) for t in texts])
+        samples = [Sample(response_ids=np.asarray(c.output_ids, np.int32),
+                          behav_logprobs=np.asarray(c.logprobs, np.float32),
+                          versions=np.asarray(c.versions, np.int32),
+                          loss_mask=np.ones(len(c.output_ids), np.uint8),
+                          reward=float(r.reward), finish_reason=c.finish_reason)
+                   for c, r in zip(group.done, results)]
+        meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row, "epoch": group.ticket.epoch,
+                "responses": texts, "reward_status": [r.status for r in results]}
+        self.spool.publish(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
+                                           prompt_ids=np.asarray(group.prompt_ids, np.int32),
+                                           samples=samples, meta=meta))
+        self.stats.groups_published += 1

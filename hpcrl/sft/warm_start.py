@@ -1,0 +1,240 @@
+"""Supervised warm start: fine-tune the base model until it is "a bit" right.
+
+RL from a random tiny model gets no reward signal, so a run first trains on
+the labelled answers (cross-entropy on the answer tokens + eos only, the
+prompt masked) and stops as soon as greedy accuracy on the first
+``eval_size`` eval rows reaches ``target_accuracy`` (checked every
+``eval_every`` steps). Stopping at a target rather than after a fixed budget
+gives reproducible starting accuracies: on the tiny addition model the jump
+in accuracy happens at a seed-dependent step.
+
+Lifecycle:
+1. The cache key hashes the base model (config + weight bytes), its
+   tokenizer, the rows, the evaluation settings and every config field that
+   changes the result (not ``cache_dir``/``threads``).
+2. If ``<cache_dir>/<key>/result.json`` exists the folder is returned as is
+   (``cached=True``); no training happens.
+3. Otherwise train; the best-accuracy weights are kept (warning if the target
+   was not reached), saved with ``save_model`` together with result.json and
+   published by one atomic rename. Two processes racing on the same key both
+   succeed; the second publication is discarded and the first one returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hpcrl import atomic
+from hpcrl.data.rows import Row
+from hpcrl.eval.accuracy import greedy_accuracy
+from hpcrl.model.hf_io import encode_prompt, load_model, load_tokenizer, save_model
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+_KEY_VERSION = 1  # bump when the training recipe changes what a key produces
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = True  # run the warm start before RL (false: RL starts from the base model)
+    lr: float = 2e-3  # AdamW learning rate after warm-up
+    batch_size: int = 128  # rows per optimizer step
+    max_steps: int = 2000  # give up (keeping the best model) after this many steps
+    warmup_steps: int = 20  # linear learning-rate warm-up
+    eval_every: int = 25  # greedy accuracy is checked every this many steps
+    eval_size: int = 500  # ...on the first eval_size eval rows
+    target_accuracy: float = 0.2  # stop as soon as reached (RL then has room to improve)
+    seed: int = 0  # batch order seed
+    threads: int = 2  # torch intra-op threads while training
+    cache_dir: str = "~/.cache/hpcrl/sft"  # finished warm starts are cached here by content hash
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        for name in ("batch_size", "max_steps", "eval_every", "eval_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.target_accuracy:
+            raise ValueError(f"target_accuracy: must be >= 0, got {self.target_accuracy}")
+        if not self.cache_dir:
+            raise ValueError("cache_dir: must be a non-empty path")
+
+
+@dataclass
+class SFTResult:
+    path: Path  # folder of the warm-started model (the base model when disabled)
+    accuracy: float  # greedy accuracy of the saved model (nan when disabled)
+    steps: int  # optimizer steps of the saved model
+    cached: bool  # true when found in the cache (no training in this call)
+    seconds: float  # training time recorded when the model was made
+
+
+def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+    h.update(path.name.encode() + b"\0")
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def cache_key(cfg: SFTConfig, base: Path, train_rows: list[Row], eval_rows: list[Row], extra: dict) -> str:
+    """sha256 of everything that determines the warm-started weights."""
+    h = hashlib.sha256(f"hpcrl-sft/{_KEY_VERSION}\0".encode())
+    files = [base / "config.json", *sorted(base.glob("*.safetensors")), *sorted(base.glob("*.bin"))]
+    for extra_file in ("tokenizer.json", "tokenizer_config.json"):
+        if (base / extra_file).exists():
+            files.append(base / extra_file)
+    for path in files:
+        _hash_file(h, path)
+    fields = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "threads")}
+    h.update(json.dumps({"cfg": fields, **extra}, sort_keys=True).encode())
+    for rows in (train_rows, eval_rows[: cfg.eval_size]):
+        h.update(b"\0rows\0")
+        for r in rows:
+            h.update(json.dumps([r.prompt, r.answer], ensure_ascii=False).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _tokenize(tok: PreTrainedTokenizerBase, rows: list[Row], chat_template: bool) -> list[tuple[list[int], list[int]]]:
+    eos = tok.eos_token_id
+    return [
+        (encode_prompt(tok, r.prompt, chat_template), list(tok.encode(r.answer, add_special_tokens=False)) + [eos])
+        for r in rows
+    ]
+
+
+def _collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch; labels are -100 except on answer tokens (+ eos)."""
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(pairs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for i, (p, a) in enumerate(pairs):
+        seq = torch.tensor(p + a, dtype=torch.long)
+        ids[i, : len(seq)] = seq
+        labels[i, len(p): len(seq)] = seq[len(p):]
+        mask[i, : len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _Batches:
+    """Seeded epochs of shuffled indices, cut into batches."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def next(self) -> list[int]:
+        while len(self.order) < self.batch_size:
+            self.order += torch.randperm(self.n, generator=self.gen).tolist()
+        batch, self.order = self.order[: self.batch_size], self.order[self.batch_size:]
+        return batch
+
+
+def _train(
+    cfg: SFTConfig, model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: list, evaluate: Callable[[], float]
+) -> tuple[float, int]:
+    """Train in place; leave the best-accuracy weights in ``model``; return (accuracy, step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    batches = _Batches(len(data), cfg.batch_size, cfg.seed)
+    best_acc, best_step, best_state, losses = -1.0, 0, None, []
+    model.train()
+    for step in range(1, cfg.max_steps + 1):
+        out = model(**_collate([data[i] for i in batches.next()], tok.pad_token_id))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(out.loss.item())
+        if step % cfg.eval_every and step != cfg.max_steps:
+            continue
+        acc = evaluate()
+        log.info("sft step %d loss %.4f accuracy %.3f", step, sum(losses) / len(losses), acc)
+        losses.clear()
+        if acc > best_acc:
+            best_acc, best_step = acc, step
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if acc >= cfg.target_accuracy:
+            return acc, step
+    log.warning(
+        "sft: target accuracy %.3f not reached in %d steps; keeping step %d (accuracy %.3f)",
+        cfg.target_accuracy, cfg.max_steps, best_step, best_acc,
+    )
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return best_acc, best_step
+
+
+def _cached(final: Path) -> SFTResult | None:
+    result = final / RESULT_FILE
+    if not result.exists():
+        return None
+    info = atomic.read_json(result)
+    return SFTResult(final, float(info["accuracy"]), int(info["steps"]), True, float(info["seconds"]))
+
+
+def warm_start(
+    cfg: SFTConfig,
+    base_model: str | Path,
+    train_rows: list[Row],
+    eval_rows: list[Row],
+    score: Callable[[str, str, Row], float],
+    *,
+    max_new_tokens: int = 8,
+    chat_template: bool = False,
+) -> SFTResult:
+    """Return a warm-started copy of ``base_model`` (trained now, or from the cache)."""
+    base = Path(base_model).expanduser()
+    if not cfg.enabled:
+        return SFTResult(base, float("nan"), 0, False, 0.0)
+    if not train_rows or not eval_rows:
+        raise ValueError("sft: need at least one train row and one eval row")
+    tok = load_tokenizer(base)  # validates the folder before hashing it
+    extra = {"max_new_tokens": max_new_tokens, "chat_template": chat_template,
+             "score": f"{getattr(score, '__module__', '')}.{getattr(score, '__qualname__', repr(score))}"}
+    key = cache_key(cfg, base, train_rows, eval_rows, extra)
+    final = Path(cfg.cache_dir).expanduser() / key
+    if (hit := _cached(final)) is not None:
+        log.info("sft: using cached warm start %s (accuracy %.3f)", final, hit.accuracy)
+        return hit
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    t0 = time.monotonic()
+    try:
+        model = load_model(base)
+        data = _tokenize(tok, train_rows, chat_template)
+        evals = eval_rows[: cfg.eval_size]
+
+        def evaluate() -> float:
+            return greedy_accuracy(model, tok, evals, score, max_new_tokens=max_new_tokens,
+                                   chat_template=chat_template).accuracy
+
+        accuracy, steps = _train(cfg, model, tok, data, evaluate)
+    finally:
+        torch.set_num_threads(prev_threads)
+    seconds = time.monotonic() - t0
+    info = {"accuracy": accuracy, "steps": steps, "seconds": seconds, "base_model": str(base)}
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        save_model(model, tok, final, extra_json={RESULT_FILE: info})
+    except (OSError, ValueError):
+        if (hit := _cached(final)) is None:
+            raise
+        log.info("sft: another process published %s first; using it", final)
+        return hit
+    log.info("sft: warm start %s accuracy %.3f after %d steps in %.1fs", final, accuracy, steps, seconds)
+    return SFTResult(final, accuracy, steps, False, seconds)

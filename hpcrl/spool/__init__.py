@@ -1,0 +1,35 @@
+"""The HDF5 trajectory spool: rollouts publish prompt groups, the trainer claims them.
+
+``format`` defines one file (``TrajectoryGroup`` <-> HDF5, validated on read);
+``store`` defines the directory life cycle (publish -> ready -> claimed ->
+trained | dropped | quarantine). See docs/spool-format.md.
+"""
+
+from hpcrl.spool.format import (
+    SCHEMA_VERSION,
+    NameInfo,
+    Sample,
+    SpoolFormatError,
+    TrajectoryGroup,
+    file_name,
+    parse_name,
+    read_group,
+    validate_group,
+    write_group,
+)
+from hpcrl.spool.store import Spool, SpoolEntry
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "NameInfo",
+    "Sample",
+    "Spool",
+    "SpoolEntry",
+    "SpoolFormatError",
+    "TrajectoryGroup",
+    "file_name",
+    "parse_name",
+    "read_group",
+    "validate_group",
+    "write_group",
+]

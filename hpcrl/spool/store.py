@@ -1,0 +1,260 @@
+"""The spool directory: where rollouts publish groups and the trainer takes them.
+
+Layout under ``root`` (``<run_dir>/spool``)::
+
+    tmp/                    files being written (``<name>.tmp.<pid>``); never read
+    ready/                  published, waiting for a trainer
+    claimed/                taken by the trainer, not yet committed by a checkpoint
+    trained/step_XXXXXX/    trained at that optimizer step (committed)
+    dropped/                not trained on purpose; ``<name>.reason.json`` beside it
+    quarantine/             failed validation; ``<name>.reason.json`` beside it
+
+Life cycle of one file: a rollout writes it in ``tmp/``, fsyncs it and
+renames it into ``ready/`` (``publish``), so a reader of ``ready/`` only ever
+sees complete files. The trainer selects from ``ready/`` by name only (the
+version range is in the name), takes files by renaming them into
+``claimed/`` (``claim``; a file that vanished is skipped), loads them
+(``load``; an invalid file goes to ``quarantine/`` and ``None`` is returned),
+and after the step moves them to ``trained/step_N/`` (``mark_trained``) or to
+``dropped/`` with a reason (``drop``). On resume, files still in ``claimed/``
+that the checkpoint does not cover go back to ``ready/`` (``release_claimed``).
+
+Ordering rules: every move is one ``rename`` on the same filesystem, hence
+atomic; a reason file is written (atomically) *before* its data file is moved,
+so a dropped or quarantined file always has its reason. Moves never overwrite:
+a name collision means a ticket was produced twice, which is a bug, and raises
+``FileExistsError``. Each destination directory has a single owner (rollouts
+own ``ready/`` names by ticket and writer id, the trainer owns the rest), which
+is what makes the check-then-rename free of races. No ``flock`` anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, write_json
+from hpcrl.spool.format import (
+    SpoolFormatError,
+    TrajectoryGroup,
+    file_name,
+    parse_name,
+    read_group,
+    write_group,
+)
+
+logger = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+REASON_SUFFIX = ".reason.json"
+
+
+@dataclass
+class SpoolEntry:
+    """A spool file known by its name (no file opened to build it)."""
+
+    path: Path  # current location of the file
+    ticket: int  # admission ticket id
+    min_version: int  # oldest policy version of any token
+    max_version: int  # newest policy version of any token
+    writer: str  # rollout writer id
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """``os.rename`` that refuses to overwrite (FileNotFoundError if ``src`` is gone)."""
+    if dst.exists():
+        if not src.exists():  # moved already, e.g. by a concurrent claimer
+            raise FileNotFoundError(f"{src} vanished")
+        raise FileExistsError(f"spool name collision: {dst} already exists (moving {src})")
+    os.rename(src, dst)
+
+
+class Spool:
+    """<root>/ready, claimed, trained/step_XXXXXX, dropped, quarantine, tmp."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.tmp_dir = self.root / "tmp"
+        self.ready_dir = self.root / "ready"
+        self.claimed_dir = self.root / "claimed"
+        self.trained_dir = self.root / "trained"
+        self.dropped_dir = self.root / "dropped"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.trained_dir,
+                  self.dropped_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- rollout side -----------------------------------------------------
+    def publish(self, group: TrajectoryGroup) -> Path:
+        """Write ``group`` in tmp/, fsync, rename into ready/; return the final path."""
+        name = file_name(group)
+        final = self.ready_dir / name
+        tmp = self.tmp_dir / f"{name}{TMP_MARK}{os.getpid()}"
+        try:
+            write_group(tmp, group)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            _rename_noreplace(tmp, final)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        fsync_dir(self.ready_dir)
+        logger.debug("published %s", name)
+        return final
+
+    def clean_tmp(self, older_than_s: float = 3600.0) -> int:
+        """Remove temporary files left by crashed writers; returns how many."""
+        now = time.time()
+        removed = 0
+        for p in self.tmp_dir.iterdir():
+            try:
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    # -- listing ------------------------------------------------------------
+    @staticmethod
+    def _list(directory: Path) -> list[SpoolEntry]:
+        entries = []
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            info = parse_name(name)
+            if info is not None:
+                entries.append(SpoolEntry(directory / name, info.ticket, info.min_version,
+                                          info.max_version, info.writer))
+        entries.sort(key=lambda e: (e.min_version, e.ticket, e.writer))
+        return entries
+
+    def ready(self) -> list[SpoolEntry]:
+        """Published files, from names only, sorted by (min_version, ticket)."""
+        return self._list(self.ready_dir)
+
+    def claimed(self) -> list[SpoolEntry]:
+        """Files the trainer has claimed and not yet committed or released."""
+        return self._list(self.claimed_dir)
+
+    def trained(self) -> dict[int, list[SpoolEntry]]:
+        """Trained files by optimizer step."""
+        out: dict[int, list[SpoolEntry]] = {}
+        for d in self.trained_dir.iterdir():
+            m = _STEP_RE.match(d.name)
+            if m and d.is_dir():
+                out[int(m.group(1))] = self._list(d)
+        return dict(sorted(out.items()))
+
+    def dropped(self) -> list[SpoolEntry]:
+        return self._list(self.dropped_dir)
+
+    def quarantined(self) -> list[SpoolEntry]:
+        return self._list(self.quarantine_dir)
+
+    def counts(self) -> dict[str, int]:
+        """File counts: ready, claimed, trained, dropped, quarantined."""
+        return {
+            "ready": len(self.ready()),
+            "claimed": len(self.claimed()),
+            "trained": sum(len(v) for v in self.trained().values()),
+            "dropped": len(self.dropped()),
+            "quarantined": len(self.quarantined()),
+        }
+
+    # -- trainer side -------------------------------------------------------
+    def claim(self, entries: list[SpoolEntry]) -> list[SpoolEntry]:
+        """Rename ``entries`` into claimed/; skip those that vanished. Returns the claimed."""
+        taken = []
+        for e in entries:
+            dst = self.claimed_dir / e.name
+            try:
+                _rename_noreplace(e.path, dst)
+            except FileNotFoundError:
+                logger.info("spool file %s vanished before claim; skipped", e.name)
+                continue
+            taken.append(dataclasses.replace(e, path=dst))
+        if taken:
+            fsync_dir(self.claimed_dir)
+            fsync_dir(self.ready_dir)
+        return taken
+
+    def load(self, entry: SpoolEntry) -> TrajectoryGroup | None:
+        """Read and validate ``entry``; quarantine it and return None if it is invalid."""
+        try:
+            group = read_group(entry.path)
+            got = (group.ticket, group.min_version, group.max_version, group.writer)
+            want = (entry.ticket, entry.min_version, entry.max_version, entry.writer)
+            if got != want:
+                raise SpoolFormatError(
+                    f"file name says (ticket, min_version, max_version, writer)={want}, content says {got}"
+                )
+            return group
+        except FileNotFoundError:
+            logger.error("spool file %s vanished before load; not quarantined", entry.path)
+            return None
+        except (SpoolFormatError, OSError) as e:
+            reason = f"{type(e).__name__}: {e}"
+            logger.warning("quarantining spool file %s: %s", entry.name, reason)
+            self.quarantine(entry, reason)
+            return None
+
+    def mark_trained(self, entries: list[SpoolEntry], step: int) -> None:
+        """Move ``entries`` into trained/step_{step:06d}/ (idempotent for already moved files)."""
+        d = self.trained_dir / f"step_{step:06d}"
+        d.mkdir(exist_ok=True)
+        for e in entries:
+            dst = d / e.name
+            if not e.path.exists() and dst.exists():
+                continue  # already moved by an earlier, interrupted call
+            _rename_noreplace(e.path, dst)
+        fsync_dir(d)
+        fsync_dir(self.claimed_dir)
+
+    def drop(self, entry: SpoolEntry, reason: str) -> None:
+        """Move ``entry`` into dropped/ with dropped/<name>.reason.json."""
+        self._set_aside(entry, self.dropped_dir, reason)
+
+    def quarantine(self, entry: SpoolEntry, reason: str) -> None:
+        """Move ``entry`` into quarantine/ with quarantine/<name>.reason.json."""
+        self._set_aside(entry, self.quarantine_dir, reason)
+
+    def reason(self, entry: SpoolEntry) -> dict | None:
+        """The reason record of a dropped or quarantined entry (None if there is none)."""
+        p = entry.path.with_name(entry.name + REASON_SUFFIX)
+        return read_json(p) if p.exists() else None
+
+    def _set_aside(self, entry: SpoolEntry, directory: Path, reason: str) -> None:
+        dst = directory / entry.name
+        if dst.exists():
+            raise FileExistsError(f"spool name collision: {dst} already exists (moving {entry.path})")
+        record = {"reason": reason, "time": time.time(), "from": entry.path.parent.name,
+                  "ticket": entry.ticket, "writer": entry.writer}
+        write_json(directory / (entry.name + REASON_SUFFIX), record)
+        _rename_noreplace(entry.path, dst)
+        fsync_dir(directory)
+
+    def release(self, entries: list[SpoolEntry]) -> int:
+        """Move the given claimed ``entries`` back to ready/; returns the count moved."""
+        for e in entries:
+            _rename_noreplace(e.path, self.ready_dir / e.name)
+        if entries:
+            fsync_dir(self.ready_dir)
+            fsync_dir(self.claimed_dir)
+            logger.info("released %d claimed spool files back to ready/", len(entries))
+        return len(entries)
+
+    def release_claimed(self) -> int:
+        """Move every file in claimed/ back to ready/ (resume); returns the count."""
+        return self.release(self.claimed())

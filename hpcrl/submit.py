@@ -1,0 +1,99 @@
+"""Start a run: ``python -m hpcrl.submit --config configs/X.yaml [key=value ...]``.
+
+Order: load and validate the config (any error names its key and exits 2
+before anything is created) -> create the run directory and freeze the
+resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
+(``prepared.json``) -> start and supervise the components -> print a summary
+(initial and final held-out accuracy, wall time, throughput) and write it to
+``<run_dir>/summary.json``. Exit 0 when the run completed, 1 when a component
+failed, 2 on a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hpcrl import atomic
+from hpcrl.config import ConfigError, RunConfig, load_config, save
+from hpcrl.launch.logs import setup_logging
+from hpcrl.launch.prepare import prepare
+from hpcrl.launch.scheduler import ComponentFailed
+from hpcrl.launch.supervisor import supervise
+from hpcrl.metrics.writer import read_metrics
+
+log = logging.getLogger("hpcrl.submit")
+
+
+def create_run_dir(cfg: RunConfig) -> RunConfig:
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
+    if (run_dir / "config.yaml").exists():
+        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, run_dir=str(run_dir))
+    save(cfg, run_dir / "config.yaml")
+    return cfg
+
+
+def summarize(run_dir: Path, started: float) -> dict:
+    records = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    steps = [r for r in records if "reward/mean" in r]
+    summary = {
+        "run_dir": str(run_dir), "wall_s": time.time() - started, "steps": steps[-1]["step"] if steps else 0,
+        "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
+        "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "samples_per_s": steps[-1].get("throughput/samples_per_s") if steps else None,
+        "staleness_max": max((r.get("staleness/max", 0) for r in steps), default=None),
+    }
+    if evals:
+        summary["accuracy_gain"] = summary["final_accuracy"] - summary["initial_accuracy"]
+    atomic.write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def report(summary: dict) -> None:
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    log.info("run finished in %.0fs: %d steps, %.1f samples/s, max staleness %s", summary["wall_s"],
+             summary["steps"], summary["samples_per_s"] or 0.0, summary["staleness_max"])
+    log.info("held-out greedy accuracy: start %s -> final %s (%+.1f points)", pct(summary["initial_accuracy"]),
+             pct(summary["final_accuracy"]), 100 * summary.get("accuracy_gain", 0.0))
+    log.info("metrics: %s/logs/metrics.jsonl (TensorBoard: %s/logs/tensorboard)", summary["run_dir"],
+             summary["run_dir"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.submit", description="Start an hpcrl run.")
+    parser.add_argument("--config", type=Path, help="YAML config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
+    args = parser.parse_args(argv)
+    setup_logging("submit")
+    started = time.time()
+    try:
+        cfg = create_run_dir(load_config(args.config, args.overrides))
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        return 2
+    run_dir = Path(cfg.run_dir)
+    log.info("run directory: %s", run_dir)
+    try:
+        prepare(cfg, run_dir)
+        supervise(cfg, run_dir)
+    except ComponentFailed as e:
+        log.error("%s", e)
+        return 1
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    report(summarize(run_dir, started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from hpcrl.trainer.main import main
+
+main()

@@ -1,0 +1,39 @@
+"""Configuration of the trainer component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class TrainerConfig:
+    world_size: int = 1  # trainer ranks (processes); FSDP2 shards parameters across them
+    total_steps: int = 100  # training steps; the policy version after the run equals this
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # decay after warm-up
+    warmup_steps: int = 5  # linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.1  # final lr / peak lr for linear and cosine decay
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    n_minibatches: int = 1  # optimizer updates per training step (the batch is split into this many)
+    micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch (padding included)
+    threads: int = 1  # torch threads per trainer rank
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
+    batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "total_steps", "n_minibatches", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.micro_batch_tokens < 16:
+            raise ValueError(f"micro_batch_tokens: must be >= 16, got {self.micro_batch_tokens}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")

@@ -1,0 +1,91 @@
+"""Weight publication from the trainer to the rollout engines.
+
+Lifecycle and ordering rules:
+
+* The trainer calls :meth:`WeightTransport.publish` after optimizer step
+  ``v`` with the full (unsharded) state dict; version ``v`` becomes visible
+  to readers only once complete.
+* A rollout calls :meth:`latest_version` between decode steps (cheap) and,
+  when it is newer than what it holds, :meth:`fetch` for that version, then
+  interrupts its engine with the new weights.
+* Version 0 is the initial model itself: it is never published; a rollout
+  that sees no published version generates with the initial weights.
+
+:class:`DiskWeights` writes ``weights/v<N>/model.safetensors`` through a
+temporary directory renamed as a whole, then replaces ``weights/LATEST``
+(atomic rename). It keeps the last ``keep_last`` versions. A collective
+transport (NCCL/HCCL/gloo broadcast) implements the same Protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Mapping, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hpcrl import atomic
+from hpcrl.weights.config import WeightsConfig
+
+log = logging.getLogger(__name__)
+
+
+class WeightTransport(Protocol):
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def latest_version(self) -> int: ...
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
+
+
+def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop aliases of tied parameters (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+class DiskWeights:
+    def __init__(self, root: str | Path, cfg: WeightsConfig) -> None:
+        self.root = Path(root)
+        self.cfg = cfg
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        target = self.version_dir(version)
+        if target.exists():
+            shutil.rmtree(target)  # a crashed earlier attempt at the same version left it uncommitted by LATEST
+        with atomic.directory(target) as tmp:
+            save_file(unique_tensors(state_dict), str(tmp / "model.safetensors"), metadata={"version": str(version)})
+        atomic.write_text(self.root / "LATEST", f"{version}\n")
+        self._prune(version)
+
+    def latest_version(self) -> int:
+        try:
+            return int((self.root / "LATEST").read_text())
+        except FileNotFoundError:
+            return 0
+        except ValueError:  # never partial (atomic rename); only a hand-edited file gets here
+            log.warning("unreadable %s; treating as version 0", self.root / "LATEST")
+            return 0
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.version_dir(version) / "model.safetensors"))
+
+    def _prune(self, newest: int) -> None:
+        for old in sorted(self.root.glob("v*")):
+            if atomic.is_temporary(old.name) or not old.name[1:].isdigit():
+                continue
+            if int(old.name[1:]) <= newest - self.cfg.keep_last:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,298 @@
+"""Tests of the HDF5 trajectory spool: format round trip, names, atomic publish,
+claim/drop/trained/release moves and quarantine of invalid files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcrl.spool import (
+    SCHEMA_VERSION,
+    NameInfo,
+    Sample,
+    Spool,
+    SpoolFormatError,
+    TrajectoryGroup,
+    file_name,
+    parse_name,
+    read_group,
+    validate_group,
+    write_group,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_sample(rng: np.random.Generator, length: int, v0: int = 3, v1: int = 3) -> Sample:
+    return Sample(
+        response_ids=rng.integers(0, 50_000, length).astype(np.int32),
+        behav_logprobs=-rng.random(length).astype(np.float32) * 5,
+        versions=np.sort(rng.integers(v0, v1 + 1, length)).astype(np.int32),
+        loss_mask=rng.integers(0, 2, length).astype(np.uint8),
+        reward=float(rng.integers(0, 2)) - 0.25,
+        finish_reason="length" if length > 10 else "stop",
+    )
+
+
+def make_group(ticket: int = 7, writer: str = "r0-a", lengths=(5, 0, 12, 3), seed: int = 0,
+               v0: int = 3, v1: int = 5) -> TrajectoryGroup:
+    rng = np.random.default_rng(seed)
+    return TrajectoryGroup(
+        ticket=ticket, writer=writer,
+        prompt_ids=rng.integers(0, 50_000, 9).astype(np.int32),
+        samples=[make_sample(rng, n, v0, v1) for n in lengths],
+        created=1_700_000_000.123456789,
+        meta={"prompt": "Combien font 2+2 ? 答え ∑ 🙂", "index": 3, "answers": ["4", "四"]},
+    )
+
+
+def assert_same_group(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
+    assert (a.ticket, a.writer, a.created, a.meta) == (b.ticket, b.writer, b.created, b.meta)
+    assert a.prompt_ids.dtype == b.prompt_ids.dtype and a.prompt_ids.tobytes() == b.prompt_ids.tobytes()
+    assert len(a.samples) == len(b.samples)
+    for sa, sb in zip(a.samples, b.samples):
+        for k in ("response_ids", "behav_logprobs", "versions", "loss_mask"):
+            x, y = getattr(sa, k), getattr(sb, k)
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+        assert (sa.reward, sa.finish_reason) == (sb.reward, sb.finish_reason)
+
+
+# -- format ---------------------------------------------------------------------
+def test_round_trip_bit_equal(tmp_path: Path) -> None:
+    g = make_group()
+    write_group(tmp_path / "x.h5", g)
+    back = read_group(tmp_path / "x.h5")
+    assert_same_group(g, back)
+    assert len(back.samples[1].response_ids) == 0
+    assert (back.min_version, back.max_version) == (g.min_version, g.max_version)
+
+
+def test_schema_layout_is_as_documented(tmp_path: Path) -> None:
+    write_group(tmp_path / "x.h5", make_group(lengths=(4, 6)))
+    with h5py.File(tmp_path / "x.h5", "r", locking=False) as f:
+        assert set(f.attrs) == {"schema_version", "ticket", "writer", "min_version", "max_version",
+                                "created", "group_size", "meta", "finish_reasons"}
+        assert f.attrs["schema_version"] == SCHEMA_VERSION == 1
+        dtypes = {k: (str(f[k].dtype), f[k].shape) for k in f}
+    assert dtypes == {
+        "prompt_ids": ("int32", (9,)), "response_ids": ("int32", (10,)), "offsets": ("int64", (3,)),
+        "behav_logprobs": ("float32", (10,)), "versions": ("int32", (10,)),
+        "loss_mask": ("uint8", (10,)), "rewards": ("float32", (2,)),
+    }
+
+
+def test_group_without_tokens_takes_version_from_meta(tmp_path: Path) -> None:
+    g = make_group(lengths=(0, 0))
+    assert (g.min_version, g.max_version) == (0, 0)
+    g.meta["version"] = 12
+    assert file_name(g).startswith("g000000007_v000012-000012_")
+    write_group(tmp_path / "x.h5", g)
+    assert read_group(tmp_path / "x.h5").max_version == 12
+
+
+def test_names() -> None:
+    g = make_group(ticket=42, writer="node3-7", v0=2, v1=9)
+    lo, hi = g.min_version, g.max_version
+    name = file_name(g)
+    assert name == f"g000000042_v{lo:06d}-{hi:06d}_node3-7.h5"
+    assert parse_name(name) == NameInfo(42, lo, hi, "node3-7")
+    big = make_group(ticket=12_345_678_901)
+    assert parse_name(file_name(big)).ticket == 12_345_678_901
+    for other in (name + ".tmp.123", name + ".reason.json", "g42_v1-2_w.h5",
+                  "g000000001_v000005-000004_w.h5", "g000000001_v000001-000002_w_x.h5", "README"):
+        assert parse_name(other) is None, other
+
+
+def test_write_rejects_incoherent_groups(tmp_path: Path) -> None:
+    bad_len = make_group()
+    bad_len.samples[0].loss_mask = bad_len.samples[0].loss_mask[:-1]
+    bad_writer = make_group(writer="a_b")
+    bad_ticket = make_group(ticket=-1)
+    for g, field in ((bad_len, "samples[0]"), (bad_writer, "writer"), (bad_ticket, "ticket")):
+        with pytest.raises(SpoolFormatError, match=field.replace("[", r"\[")):
+            write_group(tmp_path / "x.h5", g)
+    nan = make_group()
+    nan.samples[2].behav_logprobs[1] = np.nan
+    with pytest.raises(SpoolFormatError, match="NaN"):
+        validate_group(nan)
+    validate_group(make_group())
+
+
+# -- store ----------------------------------------------------------------------
+def test_publish_lists_sorted_and_ignores_junk(tmp_path: Path) -> None:
+    sp = Spool(tmp_path / "spool")
+    sp.publish(make_group(ticket=5, v0=4, v1=4))
+    sp.publish(make_group(ticket=9, v0=1, v1=6))
+    sp.publish(make_group(ticket=2, v0=4, v1=5))
+    (sp.ready_dir / "g000000001_v000000-000000_w.h5.tmp.999").write_bytes(b"partial")
+    (sp.ready_dir / "notes.txt").write_text("x")
+    assert [e.ticket for e in sp.ready()] == [9, 2, 5]
+    assert os.listdir(sp.tmp_dir) == []
+    with pytest.raises(FileExistsError):
+        sp.publish(make_group(ticket=5, v0=4, v1=4))
+    assert os.listdir(sp.tmp_dir) == [], "failed publish must not leave a temp file"
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from pathlib import Path
+    from hpcrl.spool import Sample, Spool, TrajectoryGroup
+    sp = Spool(Path(sys.argv[1]))
+    rng = np.random.default_rng(1)
+    for t in range(int(sys.argv[2])):
+        n = int(rng.integers(1, 400))
+        s = [Sample(np.arange(n, dtype=np.int32), np.full(n, -0.5, np.float32),
+                    np.full(n, t % 5, np.int32), np.ones(n, np.uint8), 1.0, "stop") for _ in range(8)]
+        sp.publish(TrajectoryGroup(t, "sub", np.arange(30, dtype=np.int32), s, meta={"t": t}))
+""")
+
+
+def test_publish_is_atomic_for_a_concurrent_reader(tmp_path: Path) -> None:
+    root, total = tmp_path / "spool", 200
+    sp = Spool(root)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(total)], env=env)
+    seen: set[str] = set()
+    read_while_writing = 0
+    deadline = time.monotonic() + 60
+    while len(seen) < total and time.monotonic() < deadline:
+        alive = proc.poll() is None
+        for name in os.listdir(sp.ready_dir):
+            assert parse_name(name) is not None, f"reader saw a non-final name {name}"
+        for e in sp.ready():
+            if e.name not in seen:
+                g = read_group(e.path)  # raises if the file were partial
+                assert g.ticket == e.ticket and len(g.samples) == 8
+                seen.add(e.name)
+                read_while_writing += alive
+        if proc.poll() is not None and proc.returncode != 0:
+            break
+    assert proc.wait(timeout=30) == 0
+    assert len(seen) == total
+    assert read_while_writing > 0, "the reader never overlapped the writer; test proves nothing"
+    assert os.listdir(sp.tmp_dir) == []
+
+
+def truncate(path: Path, keep: float) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep) if keep < 1 else size - 1)
+
+
+@pytest.mark.parametrize("keep", [0.05, 0.5, 0.95, 1.0])
+def test_truncated_file_is_quarantined(tmp_path: Path, keep: float) -> None:
+    sp = Spool(tmp_path)
+    sp.publish(make_group(ticket=1))
+    good = sp.publish(make_group(ticket=2))
+    truncate(sp.ready()[0].path, keep)
+    entries = sp.claim(sp.ready())
+    assert sp.load(entries[0]) is None
+    assert sp.load(entries[1]) is not None and entries[1].path.name == good.name
+    assert sp.counts() == {"ready": 0, "claimed": 1, "trained": 0, "dropped": 0, "quarantined": 1}
+    [q] = sp.quarantined()
+    rec = sp.reason(q)
+    assert q.ticket == 1 and rec["from"] == "claimed" and "SpoolFormatError" in rec["reason"]
+
+
+def _edit(path: Path, fn) -> None:
+    with h5py.File(path, "r+", locking=False) as f:
+        fn(f)
+
+
+def _set(name: str, index: int, value):
+    def fn(f):
+        f[name][index] = value
+    return fn
+
+
+def _replace(name: str, data):
+    def fn(f):
+        del f[name]
+        f.create_dataset(name, data=data)
+    return fn
+
+
+def _attr(name: str, value):
+    def fn(f):
+        f.attrs[name] = value
+    return fn
+
+
+CORRUPTIONS = {
+    "nan_logprob": (_set("behav_logprobs", 3, np.nan), "NaN"),
+    "inf_logprob": (_set("behav_logprobs", 0, -np.inf), "NaN or inf"),
+    "positive_logprob": (_set("behav_logprobs", 2, 0.5), "positive"),
+    "negative_version": (_set("versions", 1, -1), "negative"),
+    "mask_not_binary": (_set("loss_mask", 0, 2), "0 or 1"),
+    "wrong_schema": (_attr("schema_version", 99), "schema_version"),
+    "short_dataset": (_replace("versions", np.zeros(3, np.int32)), "offsets"),
+    "bad_offsets": (_replace("offsets", np.array([0, 30, 10, 20, 20], np.int64)), "offsets"),
+    "wrong_dtype": (_replace("rewards", np.zeros(4, np.float64)), "rewards"),
+    "missing_dataset": (lambda f: f.__delitem__("loss_mask"), "loss_mask"),
+    "bad_meta_json": (_attr("meta", "{not json"), "JSONDecodeError"),
+    "header_versions": (_attr("max_version", 77), "contradict"),
+    "other_ticket": (_attr("ticket", 8), "file name says"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_invalid_content_is_quarantined(tmp_path: Path, case: str) -> None:
+    fn, expected = CORRUPTIONS[case]
+    sp = Spool(tmp_path)
+    path = sp.publish(make_group(lengths=(5, 0, 12, 3)))
+    _edit(path, fn)
+    if case != "other_ticket":  # that one is only detectable against the file name
+        with pytest.raises(SpoolFormatError):
+            read_group(path)
+    [entry] = sp.ready()
+    assert sp.load(entry) is None
+    assert sp.counts()["quarantined"] == 1 and sp.counts()["ready"] == 0
+    assert expected in sp.reason(sp.quarantined()[0])["reason"]
+
+
+def test_claim_skips_vanished_files(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    for t in range(4):
+        sp.publish(make_group(ticket=t))
+    listed = sp.ready()
+    other = Spool(tmp_path).claim([listed[1]])  # a concurrent claimer wins one
+    os.unlink(listed[3].path)  # and one disappears altogether
+    got = sp.claim(listed)
+    assert [e.ticket for e in got] == [0, 2] and [e.ticket for e in other] == [1]
+    assert all(e.path.parent == sp.claimed_dir and e.path.exists() for e in got)
+    assert {e.ticket for e in sp.claimed()} == {0, 1, 2} and sp.ready() == []
+
+
+def test_trained_drop_and_release_moves(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    for t in range(6):
+        sp.publish(make_group(ticket=t))
+    c = sp.claim(sp.ready()[:5])
+    sp.mark_trained(c[:2], step=3)
+    sp.mark_trained(c[:2], step=3)  # repeated after an interruption: no error, no change
+    sp.mark_trained(c[2:3], step=4)
+    sp.drop(c[3], "all rewards equal")
+    trained = sp.trained()
+    assert {k: [e.ticket for e in v] for k, v in trained.items()} == {3: [0, 1], 4: [2]}
+    assert (tmp_path / "trained" / "step_000003" / c[0].name).exists()
+    [d] = sp.dropped()
+    rec = json.loads((tmp_path / "dropped" / (c[3].name + ".reason.json")).read_text())
+    assert d.ticket == 3 and rec["reason"] == "all rewards equal" and rec["time"] <= time.time()
+    assert sp.counts() == {"ready": 1, "claimed": 1, "trained": 3, "dropped": 1, "quarantined": 0}
+    assert sp.release_claimed() == 1
+    assert [e.ticket for e in sp.ready()] == [4, 5] and sp.claimed() == []
+    assert sp.load(sp.ready()[0]).ticket == 4
+    sp.publish(make_group(ticket=3))  # the same ticket again (a bug upstream) ...
+    [again] = [e for e in sp.ready() if e.ticket == 3]
+    with pytest.raises(FileExistsError):
+        sp.drop(again, "x")  # ... collides with the dropped one instead of overwriting it
+    assert again.path.exists() and sp.reason(d)["reason"] == "all rewards equal"
