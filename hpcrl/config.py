@@ -108,6 +108,9 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys in {where}: {', '.join(names)}")
     kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    for name in names:  # absent sections are built here too, so their errors carry the section name
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = build(hints[name], {}, f"{prefix}{name}.")
     try:
         return cls(**kwargs)
     except ValueError as e:

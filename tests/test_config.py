@@ -1,0 +1,72 @@
+"""Every configuration error names its key, before anything is created."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl.config import ConfigError, RunConfig, from_dict, load_config, save, to_dict
+from hpcrl.submit import main as submit_main
+
+QUICK = "configs/quickstart.yaml"
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("trainer.totl_steps=5", "trainer.totl_steps", "total_steps"),  # unknown key lists the allowed ones
+    ("nonsense=1", "nonsense", "run_dir"),
+    ("trainer.total_steps=abc", "trainer.total_steps", "integer"),
+    ("trainer.total_steps=1.5", "trainer.total_steps", "integer"),
+    ("trainer.lr=fast", "trainer.lr", "number"),
+    ("trainer.lr=-1", "trainer.lr", "> 0"),
+    ("algo.adv_estimator=ppo2", "algo.adv_estimator", "'grpo'"),
+    ("algo.loss_agg=mean", "algo.loss_agg", "token_mean"),
+    ("launch.mode=turbo", "launch.mode", "'colocated'"),
+    ("data.on_bad_row=ignore", "data.on_bad_row", "'skip'"),
+    ("rollout.group_size=0", "rollout.group_size", ">= 1"),
+    ("rollout.max_batch_size=4", "rollout.max_batch_size", "group_size"),
+    ("admission.max_staleness=-1", "admission.max_staleness", ">= 0"),
+    ("sft.enabled=maybe", "sft.enabled", "true or false"),
+    ("reward.isolation=docker", "reward.isolation", "'process'"),
+    ("trainer=3", "trainer", "section"),
+    ("trainer.betas=0.9", "trainer.betas", "list"),
+    ("weights.mode=ftp", "weights.mode", "'disk'"),
+])
+def test_bad_value_names_key(override: str, key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICK, [override])
+    msg = str(info.value)
+    assert msg.startswith(key + ":") or msg.startswith(key + "."), msg
+    assert allowed in msg, msg
+
+
+def test_missing_model_and_data_name_keys() -> None:
+    with pytest.raises(ConfigError, match=r"^model\.path:"):
+        load_config(None, ["data.synthetic=addition"])
+    with pytest.raises(ConfigError, match=r"^data\.train_path:"):
+        load_config(None, ["model.tiny=true"])
+
+
+def test_override_syntax_and_missing_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(QUICK, ["trainer.total_steps"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_types_are_coerced_and_round_trip(tmp_path) -> None:
+    cfg = load_config(QUICK, ["trainer.lr=5e-5", "trainer.total_steps=7", "algo.eps_clip_high=0.28",
+                              "trainer.betas=[0.8,0.9]"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.trainer.lr == 5e-5 and cfg.trainer.total_steps == 7
+    assert cfg.algo.eps_clip_high == 0.28 and tuple(cfg.trainer.betas) == (0.8, 0.9)
+    save(cfg, tmp_path / "config.yaml")
+    from omegaconf import OmegaConf
+    again = from_dict(OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml")))
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_submit_rejects_bad_config_before_creating_anything(tmp_path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = submit_main(["--config", QUICK, f"run_dir={run_dir}", "trainer.lr=oops"])
+    assert code == 2
+    assert not run_dir.exists()
+    assert "config error: trainer.lr:" in capsys.readouterr().err
