@@ -142,8 +142,8 @@ class RolloutWorker:
                           loss_mask=np.ones(len(c.output_ids), np.uint8),
                           reward=float(r.reward), finish_reason=c.finish_reason)
                    for c, r in zip(group.done, results)]
-        meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row, "epoch": group.ticket.epoch,
-                "responses": texts, "reward_status": [r.status for r in results]}
+        meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
+                "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
         self.spool.publish(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
                                            prompt_ids=np.asarray(group.prompt_ids, np.int32),
                                            samples=samples, meta=meta))

@@ -112,13 +112,14 @@ class FSDPEngine:
             n = mb.n_tokens
             tokens += n
             for k, v in out.stats.items():
-                if k != "n_tokens" and n > 0 and math.isfinite(v):
-                    acc[k] = acc.get(k, 0.0) + v * n
+                if k == "n_tokens" or n == 0 or not math.isfinite(v):
+                    continue
+                acc[k] = max(acc.get(k, v), v) if k.endswith("_max") else acc.get(k, 0.0) + v * n
         grad_norm = self._clip()
         if norm > 0:
             self.optimizer.step()
         self.scheduler.step()
-        stats = {f"loss/{k}": v / tokens for k, v in acc.items()} if tokens else {}
+        stats = {f"loss/{k}": v if k.endswith("_max") else v / tokens for k, v in acc.items()} if tokens else {}
         stats.update({"loss/value": self._global_sum(total_loss), "grad/norm": grad_norm,
                       "lr": self.optimizer.param_groups[0]["lr"]})
         return stats
