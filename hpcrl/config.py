@@ -61,9 +61,7 @@ class RunConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load ``path`` (YAML) with ``key=value`` overrides into a validated RunConfig."""
     try:
-        base = OmegaConf.load(path) if path else OmegaConf.create({})
-        if path and not isinstance(OmegaConf.to_container(base), dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        base = _load_yaml(Path(path)) if path else OmegaConf.create({})
         bad = [o for o in overrides or [] if "=" not in o]
         if bad:
             raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
@@ -74,6 +72,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot read config: {e}") from e
     return build(RunConfig, data or {}, "")
+
+
+def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> Any:
+    """Load ``path``; a top-level ``base: other.yaml`` (relative to it) is loaded first and merged under it."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself")
+    node = OmegaConf.load(path)
+    if not isinstance(OmegaConf.to_container(node), dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = node.pop("base", None)
+    if base is None:
+        return node
+    return OmegaConf.merge(_load_yaml(path.parent / str(base), seen + (path.resolve(),)), node)
 
 
 def from_dict(data: dict) -> RunConfig:

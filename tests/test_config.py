@@ -70,3 +70,13 @@ def test_submit_rejects_bad_config_before_creating_anything(tmp_path, capsys) ->
     assert code == 2
     assert not run_dir.exists()
     assert "config error: trainer.lr:" in capsys.readouterr().err
+
+
+def test_base_file_is_merged_under_the_preset(tmp_path) -> None:
+    (tmp_path / "base.yaml").write_text("model: {tiny: true}\ndata: {synthetic: addition}\ntrainer: {lr: 0.001, total_steps: 9}\n")
+    (tmp_path / "preset.yaml").write_text("base: base.yaml\ntrainer: {lr: 0.0005}\n")
+    cfg = load_config(tmp_path / "preset.yaml", ["trainer.warmup_steps=1"])
+    assert cfg.trainer.lr == 0.0005 and cfg.trainer.total_steps == 9 and cfg.trainer.warmup_steps == 1
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "loop.yaml")
