@@ -1,7 +1,4 @@
-"""Inspect the model artifacts a run leaves behind (published weights, model folders).
+"""Tools for trainer checkpoints and published weights: inspect, verify, to-hf, prune.
 
-``python -m ckpt_tools inspect <dir-or-safetensors>`` lists every tensor
-(name, dtype, shape, bytes), the totals and the stored metadata (e.g. the
-policy version of ``weights/v<N>/``). Distributed checkpoints, verify,
-to-hf and prune come with trainer checkpointing.
+Run as ``python -m ckpt_tools <command> ...`` (see ``__main__``).
 """

@@ -1,4 +1,13 @@
-"""``python -m ckpt_tools inspect PATH``: what is inside a safetensors file or folder."""
+"""``python -m ckpt_tools {inspect,verify,to-hf,prune}``: look after checkpoints and weights.
+
+- ``inspect PATH``: tensors, shapes, dtypes and metadata of a trainer checkpoint
+  (``<run_dir>/ckpt/step_N``, or a run dir / ckpt root for the newest) or of
+  safetensors weights (``<run_dir>/weights/vN``).
+- ``verify PATH``: size and sha256 of every file of one checkpoint, or of all
+  under a ``ckpt/`` root; exit 1 if any is damaged.
+- ``to-hf CKPT OUT [--base-model DIR]``: a HuggingFace folder transformers loads.
+- ``prune ROOT --keep-last K [--keep-every M]``: apply a retention policy.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +18,20 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from ckpt_tools import dcp_tools
+from hpcrl.ckpt import store
+
 
 def safetensors_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise SystemExit(f"error: no .safetensors files in {path}")
+        raise SystemExit(f"error: no checkpoint or .safetensors files in {path}")
     return files
 
 
-def inspect(path: Path) -> dict:
+def inspect_safetensors(path: Path) -> dict:
     tensors, metadata = [], {}
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
@@ -27,34 +39,82 @@ def inspect(path: Path) -> dict:
             for name in st.keys():
                 sl = st.get_slice(name)
                 shape = list(sl.get_shape())
-                dtype = sl.get_dtype()
                 numel = 1
                 for d in shape:
                     numel *= d
-                tensors.append({"name": name, "dtype": dtype, "shape": shape, "numel": numel, "file": f.name})
+                tensors.append({"name": name, "dtype": sl.get_dtype(), "shape": shape, "numel": numel})
     return {"path": str(path), "metadata": metadata, "tensors": tensors,
             "total_params": sum(t["numel"] for t in tensors)}
 
 
+def cmd_inspect(args) -> int:
+    path = args.path
+    if path.is_dir() and not list(path.glob("*.safetensors")):
+        info = dcp_tools.inspect_dcp(dcp_tools.resolve(path))
+    else:
+        info = inspect_safetensors(path)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{info['path']}  {info['metadata']}")
+    for t in info["tensors"]:
+        print(f"  {t['name']:64s} {t['dtype']:9s} {t['shape']}")
+    print(f"{len(info['tensors'])} tensors, {info['total_params']:,} model parameters")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    dirs = [args.path] if dcp_tools.is_dcp(args.path) else [p for _, p in store.committed(args.path)]
+    if not dirs:
+        print(f"error: no committed checkpoint under {args.path}", file=sys.stderr)
+        return 1
+    bad = 0
+    for d in dirs:
+        problems = store.verify(d)
+        bad += bool(problems)
+        print(f"{d}: {'OK' if not problems else 'DAMAGED'}")
+        for p in problems:
+            print(f"  {p}")
+    return 1 if bad else 0
+
+
+def cmd_to_hf(args) -> int:
+    ckpt = dcp_tools.resolve(args.ckpt)
+    out = dcp_tools.to_hf(ckpt, args.base_model or dcp_tools.base_model_of(ckpt), args.out)
+    print(f"wrote {out} from {ckpt}")
+    return 0
+
+
+def cmd_prune(args) -> int:
+    removed = store.prune(args.root, args.keep_last, args.keep_every)
+    for p in removed:
+        print(f"removed {p}")
+    print(f"kept {[s for s, _ in store.committed(args.root)]}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_tools")
+    parser = argparse.ArgumentParser(prog="python -m ckpt_tools", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("inspect", help="list tensors, shapes, dtypes and metadata")
     p.add_argument("path", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    p.add_argument("path", type=Path)
+    p = sub.add_parser("to-hf", help="convert a checkpoint to a HuggingFace folder")
+    p.add_argument("ckpt", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--base-model", type=Path, help="folder with config.json and tokenizer (default: the run's)")
+    p = sub.add_parser("prune", help="delete checkpoints beyond a retention policy")
+    p.add_argument("root", type=Path)
+    p.add_argument("--keep-last", type=int, required=True)
+    p.add_argument("--keep-every", type=int, default=0)
     args = parser.parse_args(argv)
-    if not args.path.exists():
-        print(f"error: {args.path} does not exist", file=sys.stderr)
-        return 2
-    info = inspect(args.path)
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return 0
-    print(f"{info['path']}  metadata={info['metadata']}")
-    for t in info["tensors"]:
-        print(f"  {t['name']:60s} {t['dtype']:8s} {str(t['shape']):20s}")
-    print(f"{len(info['tensors'])} tensors, {info['total_params']:,} parameters")
-    return 0
+    for attr in ("path", "ckpt", "root"):
+        if hasattr(args, attr) and not getattr(args, attr).exists():
+            print(f"error: {getattr(args, attr)} does not exist", file=sys.stderr)
+            return 2
+    return {"inspect": cmd_inspect, "verify": cmd_verify, "to-hf": cmd_to_hf, "prune": cmd_prune}[args.cmd](args)
 
 
 if __name__ == "__main__":

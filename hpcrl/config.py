@@ -13,6 +13,8 @@ what every component process reads.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpcrl import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.algo.config import AlgoConfig
+from hpcrl.ckpt.config import CheckpointConfig
 from hpcrl.data.config import DataConfig
 from hpcrl.eval.config import EvalConfig
 from hpcrl.launch.config import LaunchConfig
@@ -33,6 +36,7 @@ from hpcrl.reward.runner import RewardConfig
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.sft.warm_start import SFTConfig
 from hpcrl.trainer.config import TrainerConfig
+from hpcrl.watchdog.config import WatchdogConfig
 from hpcrl.weights.config import WeightsConfig
 
 
@@ -55,6 +59,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
@@ -94,6 +100,11 @@ def from_dict(data: dict) -> RunConfig:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Identity of a config (checkpoints record it to warn when a resume changes it)."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def save(cfg: RunConfig, path: str | Path) -> None:

@@ -67,3 +67,18 @@ def test_concurrent_processes_share_one_counter(tmp_path) -> None:
         p.join(10)
     flat = sorted(i for part in got for i in part)
     assert flat == list(range((3 + 2 + 1) * 8))  # contiguous, no ticket twice, bound respected
+
+
+def test_reissued_ticket_is_taken_once_and_reclaim_finds_dead_holders(tmp_path) -> None:
+    led = ledger(tmp_path, b=2, eta=0)
+    a = [led.try_admit(0, "dead-1").index for _ in range(2)]
+    assert a == [0, 1] and led.try_admit(0, "alive-2") is None  # bound reached
+    assert led.reclaim("dead-1", finished={1}) == [0]  # ticket 1 was published, ticket 0 was lost
+    assert led.reclaim("dead-1", finished={1}) == []  # already waiting for a taker
+    other = AdmissionLedger(led.root, led.cfg, led.num_rows, led.seed)
+    t = other.try_admit(0, "alive-2")
+    assert t is not None and t.index == 0  # reissued tickets bypass the bound
+    assert led.try_admit(0, "alive-3") is None  # taken exactly once
+    assert led.holders()[0] == "alive-2"
+    assert led.reclaim("alive-2", finished=set()) == [0]  # the taker died too: reissued again
+    assert led.num_admitted() == 2  # reissues never create new tickets

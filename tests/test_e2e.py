@@ -96,7 +96,7 @@ def test_two_trainer_ranks_and_two_rollouts(tmp_path, cache) -> None:
     assert rep.ok, rep.violations
     writers = {e.writer for entries in Spool(run / "spool").trained().values() for e in entries}
     assert rep.steps == 6 and rep.max_token_staleness <= 2
-    assert writers <= {"r0", "r1"} and writers
+    assert {w.split("-")[0] for w in writers} == {"r0", "r1"}  # both replicas contributed
 
 
 def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:

@@ -291,8 +291,9 @@ def test_trained_drop_and_release_moves(tmp_path: Path) -> None:
     assert sp.release_claimed() == 1
     assert [e.ticket for e in sp.ready()] == [4, 5] and sp.claimed() == []
     assert sp.load(sp.ready()[0]).ticket == 4
-    sp.publish(make_group(ticket=3))  # the same ticket again (a bug upstream) ...
+    sp.publish(make_group(ticket=3))  # the same ticket regenerated under the same name ...
     [again] = [e for e in sp.ready() if e.ticket == 3]
-    with pytest.raises(FileExistsError):
-        sp.drop(again, "x")  # ... collides with the dropped one instead of overwriting it
-    assert again.path.exists() and sp.reason(d)["reason"] == "all rewards equal"
+    sp.drop(again, "x")  # ... and set aside again: kept beside the first, nothing overwritten
+    assert not again.path.exists() and sp.reason(d)["reason"] == "all rewards equal"
+    second = tmp_path / "dropped" / "again-1" / again.name
+    assert second.exists() and json.loads(second.with_name(again.name + ".reason.json").read_text())["reason"] == "x"

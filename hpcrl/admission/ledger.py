@@ -16,6 +16,13 @@ Lifecycle and ordering rules (DESIGN 3.2):
   the ledger on disk *is* the dataloader state: nothing to checkpoint.
 * The trainer records a dropped group with :meth:`record_drop` (one file per
   ticket, created exclusively, so a repeated drop is counted once).
+* A ticket whose work was lost (its rollout died, or its trajectories came
+  from a policy version lost in a trainer restart) is *reissued*:
+  :meth:`reissue` creates ``reissue/t<n>``, and the next :meth:`try_admit`
+  of any rollout takes it by renaming it to ``reissue/t<n>.taken-<writer>``
+  (one rename succeeds, so exactly one rollout regenerates it). A reissued
+  ticket is already counted as admitted, so it is handed out regardless of
+  the bound.
 """
 
 from __future__ import annotations
@@ -29,6 +36,20 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.admission.config import AdmissionConfig
+
+
+def create_exclusive(path: Path, record: dict) -> bool:
+    """Create ``path`` holding ``record`` (+ time) unless it exists; True if this call created it.
+
+    ``O_CREAT | O_EXCL`` makes exactly one of any number of concurrent creators win.
+    """
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({**record, "time": time.time()}, f)
+    return True
 
 
 @dataclass(frozen=True)
@@ -48,8 +69,9 @@ class AdmissionLedger:
         self.seed = seed
         self.tickets_dir = self.root / "tickets"
         self.dropped_dir = self.root / "dropped"
-        self.tickets_dir.mkdir(parents=True, exist_ok=True)
-        self.dropped_dir.mkdir(parents=True, exist_ok=True)
+        self.reissue_dir = self.root / "reissue"
+        for d in (self.tickets_dir, self.dropped_dir, self.reissue_dir):
+            d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
         self._perms: dict[int, np.ndarray] = {}
 
@@ -59,18 +81,54 @@ class AdmissionLedger:
         return (version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped()
 
     def try_admit(self, version: int, writer: str) -> Ticket | None:
-        """Create the next ticket if the staleness bound allows it, else None."""
+        """A reissued ticket if any, else the next ticket if the staleness bound allows it, else None."""
+        reissued = self._take_reissued(writer)
+        if reissued is not None:
+            return reissued
         limit = self.limit(version)
         while self._cursor < limit:
-            path = self.tickets_dir / f"t{self._cursor:09d}"
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._cursor += 1
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"writer": writer, "version": version, "time": time.time()}, f)
             index, self._cursor = self._cursor, self._cursor + 1
+            if create_exclusive(self.tickets_dir / f"t{index:09d}", {"writer": writer, "version": version}):
+                return self.ticket(index)
+        return None
+
+    def reissue(self, index: int, reason: str) -> None:
+        """Hand ticket ``index`` out again (idempotent while it waits)."""
+        create_exclusive(self.reissue_dir / f"t{index:09d}", {"reason": reason})
+
+    def pending_reissues(self) -> list[int]:
+        return sorted(int(p.name[1:]) for p in self.reissue_dir.iterdir() if p.name[1:].isdigit())
+
+    def holders(self) -> dict[int, str]:
+        """Ticket -> the writer that currently owns its generation (the latest taker of a reissue)."""
+        out = {}
+        for p in self.tickets_dir.iterdir():
+            if p.name[1:].isdigit():
+                try:
+                    out[int(p.name[1:])] = json.loads(p.read_text() or "{}").get("writer", "")
+                except json.JSONDecodeError:  # being written by its creator right now: not dead
+                    continue
+        taken = [p.name.split(".taken-", 1) for p in self.reissue_dir.iterdir() if ".taken-" in p.name]
+        for name, rest in sorted(taken, key=lambda x: int(x[1].rsplit("-", 1)[1])):
+            out[int(name[1:])] = rest.rsplit("-", 1)[0]
+        return out
+
+    def reclaim(self, writer: str, finished: set[int]) -> list[int]:
+        """Reissue every ticket ``writer`` (a dead rollout) held and did not finish; returns them."""
+        waiting = set(self.pending_reissues())
+        done = finished | set(self.dropped()) | waiting
+        lost = sorted(n for n, w in self.holders().items() if w == writer and n not in done)
+        for n in lost:
+            self.reissue(n, f"rollout {writer} died holding it")
+        return lost
+
+    def _take_reissued(self, writer: str) -> Ticket | None:
+        for index in self.pending_reissues():
+            src = self.reissue_dir / f"t{index:09d}"
+            try:
+                os.rename(src, self.reissue_dir / f"t{index:09d}.taken-{writer}-{time.time_ns()}")
+            except FileNotFoundError:
+                continue  # another rollout took it first
             return self.ticket(index)
         return None
 
@@ -92,12 +150,7 @@ class AdmissionLedger:
 
     def record_drop(self, index: int, reason: str) -> None:
         """Record that ticket ``index`` will never be trained (idempotent)."""
-        try:
-            fd = os.open(self.dropped_dir / f"t{index:09d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return
-        with os.fdopen(fd, "w") as f:
-            json.dump({"reason": reason, "time": time.time()}, f)
+        create_exclusive(self.dropped_dir / f"t{index:09d}", {"reason": reason})
 
     def dropped(self) -> dict[int, str]:
         out = {}

@@ -1,21 +1,24 @@
-"""Token log-probabilities and the decoupled PPO loss (DESIGN section 5), as pure functions.
+"""Token log-probabilities and the decoupled PPO policy loss (DESIGN section 5), as pure functions.
 
 Per response token: ``logp_behav`` comes from the inference engine at generation,
 ``logp_prox`` is recomputed by the trainer with the weights at the start of the
-step (before any update, no grad), ``logp`` is the current policy (with grad).
+step (before any update, no grad; or approximated, :mod:`hpcrl.algo.prox`),
+``logp`` is the current policy (with grad)::
 
-    r_t = exp(logp - logp_prox)
-    w_t = min(exp(logp_prox - logp_behav), cap)                  (detached)
-    l_t = w_t * max(-A_t * r_t, -A_t * clip(r_t, 1 - eps_clip, 1 + eps_clip_high))
+    r_t = exp(logp - logp_prox)                 token ratio (PPO)
+        | exp(mean_{t in s}(logp - logp_prox))  sequence ratio (GSPO, ratio_level=sequence)
+    w_t = exp(logp_prox - logp_behav)           behaviour weight, detached; per token or the
+                                                sequence's geometric mean; capped (mode=cap)
+                                                or 0 where its metric is out of bounds (mode=mask)
+    l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_high))
+    l_t = min(l_t, -A_t * dual_clip)  where A_t < 0 (dual clip)
+    L   = agg(l) + kl_coef * agg(k(logp, logp_ref)) [kl_mode=loss] - entropy_coef * agg(H)
 
-Ordering rule for callers that split a minibatch into micro-batches (and ranks):
-compute the global denominator first with ``loss_normaliser`` summed over every
-micro-batch of the minibatch on every rank, then pass it as ``normaliser`` to each
-micro-batch call; the micro-batch losses then add up to the whole-minibatch loss,
-so gradients accumulated over micro-batches (and summed over ranks) are exact.
-
+``agg`` is :func:`hpcrl.algo.aggregate.aggregate` with one normaliser for all
+terms. Ordering rule for micro-batches and ranks: see
+:mod:`hpcrl.algo.aggregate` (sum ``loss_normaliser`` globally first).
 Masked positions (``mask == 0``) contribute exactly 0 to the loss, the gradient
-and the stats, whatever garbage (``-inf``, NaN) the logprob tensors hold there.
+and the stats, whatever garbage (``-inf``, NaN) the input tensors hold there.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcrl.algo.config import LOSS_AGGS, AlgoConfig
+from hpcrl.algo.aggregate import aggregate, loss_normaliser, per_sequence_mean, to_tokens
+from hpcrl.algo.config import AlgoConfig
+from hpcrl.algo.kl import kl_estimate
+
+__all__ = ["LossOutput", "behaviour_weight", "decoupled_ppo_loss", "loss_normaliser", "token_logprobs"]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -51,17 +58,39 @@ class LossOutput:
     """The aggregated loss and its diagnostics (stats are over valid tokens only)."""
 
     loss: torch.Tensor  # scalar, already aggregated with the normaliser given
-    stats: dict[str, float]  # clip_fraction, imp_weight_*, ratio_mean, approx_kl, n_tokens
+    stats: dict[str, float]  # clip_fraction, imp_weight_*, ratio_mean, approx_kl, kl_ref, entropy, n_tokens
 
 
-def loss_normaliser(mask: torch.Tensor, loss_agg: str, seq_lengths: torch.Tensor | None = None) -> float:
-    """The local denominator: valid tokens (token_mean) or sequences with >= 1 valid token."""
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg: must be one of {list(LOSS_AGGS)}, got {loss_agg!r}")
-    valid = mask > 0
-    if loss_agg == "token_mean":
-        return float(valid.sum().item())
-    return float((_per_sequence(valid.to(torch.int64), seq_lengths) > 0).sum().item())
+def behaviour_weight(prox: torch.Tensor, behav: torch.Tensor, valid: torch.Tensor, cfg: AlgoConfig,
+                     seq_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight used, raw weight, out-of-bounds flags) per token for sanitised ``prox``/``behav``.
+
+    The raw weight is ``exp(prox - behav)`` per token, or per sequence the
+    geometric mean ``exp(mean(prox - behav))``. Out of bounds: raw weight above
+    the cap (mode=cap, where it is clamped), or the metric (ratio, or the
+    token/sequence-mean k1/k2/k3 estimate of KL(behaviour || prox)) outside
+    ``[lower, cap]`` (mode=mask, where the weight is 0).
+    """
+    log_w = prox - behav
+    seq = cfg.behav_imp_weight_level == "sequence"
+    if seq:
+        log_w = to_tokens(per_sequence_mean(log_w, valid, seq_lengths), log_w, seq_lengths)
+    raw_w = torch.exp(log_w)
+    cap, lower = cfg.behav_imp_weight_cap, cfg.behav_imp_weight_lower
+    if cfg.behav_imp_weight_mode == "cap":
+        out = raw_w > cap if cap is not None else torch.zeros_like(valid)
+        return (raw_w if cap is None else raw_w.clamp(max=cap)), raw_w, out & valid
+    metric = raw_w
+    if cfg.behav_imp_weight_metric != "ratio":  # KL(behav || prox) from behaviour samples: d = behav - prox
+        metric = kl_estimate(behav, prox, cfg.behav_imp_weight_metric)
+        if seq:
+            metric = to_tokens(per_sequence_mean(metric, valid, seq_lengths), metric, seq_lengths)
+    out = torch.zeros_like(valid)
+    if cap is not None:
+        out = out | (metric > cap)
+    if lower is not None:
+        out = out | (metric < lower)
+    return torch.where(out, torch.zeros_like(raw_w), raw_w), raw_w, out & valid
 
 
 def decoupled_ppo_loss(
@@ -73,15 +102,19 @@ def decoupled_ppo_loss(
     cfg: AlgoConfig,
     normaliser: float | None = None,
     seq_lengths: torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Decoupled PPO loss of one (micro-)batch.
+    """Decoupled PPO loss of one (micro-)batch, plus the KL loss term and entropy bonus when given.
 
-    Shapes: ``logp``, ``logp_prox``, ``logp_behav``, ``mask`` are ``[B, T]``.
-    ``advantages`` is ``[B, T]`` (per token) or one value per sequence (``[B]``,
-    or ``[len(seq_lengths)]`` when packed). ``seq_lengths`` (1-D ints, summing
-    to ``B * T``) marks packed batches: the row-major flattened tokens are
-    consecutive sequences of these lengths; ``None`` means one sequence per row.
-    ``normaliser`` defaults to ``loss_normaliser(mask, cfg.loss_agg, seq_lengths)``.
+    Shapes: ``logp``, ``logp_prox``, ``logp_behav``, ``mask`` (and ``logp_ref``,
+    ``entropy``) are ``[B, T]``. ``advantages`` is ``[B, T]`` (per token) or one
+    value per sequence (``[B]``, or ``[len(seq_lengths)]`` when packed).
+    ``seq_lengths`` (1-D ints, summing to ``B * T``) marks packed batches;
+    ``None`` means one sequence per row. ``normaliser`` defaults to
+    ``loss_normaliser(mask, cfg.loss_agg, seq_lengths)``. ``logp_ref`` adds
+    ``kl_coef * agg(k)`` when ``cfg.kl_mode == 'loss'`` (else it is only
+    reported); ``entropy`` (with grad) subtracts ``entropy_coef * agg(H)``.
     """
     _check_shapes(logp, logp_prox, logp_behav, mask, seq_lengths)
     valid = mask > 0
@@ -89,53 +122,45 @@ def decoupled_ppo_loss(
     # Sanitise before any arithmetic: exp(-inf - -inf) = NaN would leak NaN
     # gradients through torch.where's backward even where it is not selected.
     logp = torch.where(valid, logp, zero)
-    prox = torch.where(valid, logp_prox.detach(), zero)
-    behav = torch.where(valid, logp_behav.detach(), zero)
+    prox = torch.where(valid, logp_prox.detach().to(logp.dtype), zero)
+    behav = torch.where(valid, logp_behav.detach().to(logp.dtype), zero)
     adv = torch.where(valid, _broadcast_advantages(advantages.detach(), logp, seq_lengths), zero)
 
-    ratio = torch.exp(logp - prox)
-    raw_w = torch.exp(prox - behav)
-    cap = cfg.behav_imp_weight_cap
-    w = raw_w if cap is None else raw_w.clamp(max=cap)
+    log_ratio = logp - prox
+    if cfg.ratio_level == "sequence":  # GSPO: length-normalised sequence ratio, shared by its tokens
+        log_ratio = to_tokens(per_sequence_mean(log_ratio, valid, seq_lengths), log_ratio, seq_lengths)
+    ratio = torch.exp(log_ratio)
+    w, raw_w, out_of_bounds = behaviour_weight(prox, behav, valid, cfg, seq_lengths)
     clipped = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
     pg_unclipped, pg_clipped = -adv * ratio, -adv * clipped
-    per_token = torch.where(valid, w * torch.maximum(pg_unclipped, pg_clipped), zero)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual_active = torch.zeros_like(valid)
+    if cfg.dual_clip is not None:
+        bound = -adv * cfg.dual_clip
+        dual_active = (adv < 0) & (pg > bound)
+        pg = torch.where(dual_active, bound, pg)
+    per_token = torch.where(valid, w * pg, zero)
 
     if normaliser is None:  # an all-masked batch gives loss 0 (still in the graph), not NaN
         normaliser = max(loss_normaliser(mask, cfg.loss_agg, seq_lengths), 1.0)
     elif not normaliser > 0:
         raise ValueError(f"normaliser: must be > 0, got {normaliser}")
-    loss = _aggregate(per_token, valid, cfg.loss_agg, seq_lengths) / normaliser
+    pg_loss = aggregate(per_token, valid, cfg.loss_agg, normaliser, seq_lengths)
+    loss, kl_ref, ent = pg_loss, None, None
+    if logp_ref is not None:
+        kl_ref = kl_estimate(logp, logp_ref.detach(), cfg.kl_estimator, mask)
+        if cfg.kl_mode == "loss":
+            loss = loss + cfg.kl_coef * aggregate(kl_ref, valid, cfg.loss_agg, normaliser, seq_lengths)
+    if entropy is not None:
+        ent = torch.where(valid, entropy.to(logp.dtype), zero)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(ent, valid, cfg.loss_agg, normaliser, seq_lengths)
 
     with torch.no_grad():
-        stats = _stats(valid, ratio, raw_w, cap, pg_unclipped < pg_clipped, logp - prox)
+        stats = _stats(valid, ratio, raw_w, out_of_bounds, pg_unclipped < pg_clipped, logp - prox,
+                       dual_active, kl_ref, ent)
+        stats["pg_loss"] = float(pg_loss.item())
     return LossOutput(loss=loss, stats=stats)
-
-
-def _aggregate(per_token: torch.Tensor, valid: torch.Tensor, loss_agg: str,
-               seq_lengths: torch.Tensor | None) -> torch.Tensor:
-    """Sum over the batch of the per-token loss (token_mean) or per-sequence loss."""
-    if loss_agg == "token_mean":
-        return per_token.sum()
-    seq_sum = _per_sequence(per_token, seq_lengths)
-    if loss_agg == "seq_mean_token_sum":
-        return seq_sum.sum()
-    n_valid = _per_sequence(valid.to(per_token.dtype), seq_lengths)
-    return (seq_sum / n_valid.clamp(min=1.0)).sum()
-
-
-def _per_sequence(x: torch.Tensor, seq_lengths: torch.Tensor | None) -> torch.Tensor:
-    """Sum ``x [B, T]`` per sequence: per row, or per packed segment of ``seq_lengths``."""
-    if seq_lengths is None:
-        return x.sum(dim=-1)
-    ids = _segment_ids(seq_lengths, x.device)
-    out = torch.zeros(seq_lengths.numel(), dtype=x.dtype, device=x.device)
-    return out.index_add(0, ids, x.reshape(-1))
-
-
-def _segment_ids(seq_lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
-    lengths = seq_lengths.to(device=device, dtype=torch.int64)
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
 
 
 def _broadcast_advantages(adv: torch.Tensor, like: torch.Tensor,
@@ -145,13 +170,10 @@ def _broadcast_advantages(adv: torch.Tensor, like: torch.Tensor,
         return adv
     if adv.dim() != 1:
         raise ValueError(f"advantages: must be [B, T] or per sequence, got shape {tuple(adv.shape)}")
-    if seq_lengths is None:
-        if adv.numel() != like.shape[0]:
-            raise ValueError(f"advantages: {adv.numel()} values for {like.shape[0]} sequences")
-        return adv.unsqueeze(-1).expand_as(like)
-    if adv.numel() != seq_lengths.numel():
-        raise ValueError(f"advantages: {adv.numel()} values for {seq_lengths.numel()} packed sequences")
-    return adv[_segment_ids(seq_lengths, adv.device)].reshape(like.shape)
+    n_seq = like.shape[0] if seq_lengths is None else seq_lengths.numel()
+    if adv.numel() != n_seq:
+        raise ValueError(f"advantages: {adv.numel()} values for {n_seq} sequences")
+    return to_tokens(adv, like, seq_lengths)
 
 
 def _check_shapes(logp: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
@@ -168,8 +190,9 @@ def _check_shapes(logp: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, m
             raise ValueError(f"seq_lengths: sum {int(seq_lengths.sum().item())} != B*T = {logp.numel()}")
 
 
-def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, cap: float | None,
-           clip_active: torch.Tensor, log_ratio: torch.Tensor) -> dict[str, float]:
+def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, out_of_bounds: torch.Tensor,
+           clip_active: torch.Tensor, log_ratio: torch.Tensor, dual_active: torch.Tensor,
+           kl_ref: torch.Tensor | None, entropy: torch.Tensor | None) -> dict[str, float]:
     """Diagnostics over valid tokens, gathered with one device sync."""
     n = valid.sum()
     denom = n.clamp(min=1).to(ratio.dtype)
@@ -178,13 +201,15 @@ def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, cap: f
     def mean(x: torch.Tensor) -> torch.Tensor:
         return torch.where(valid, x.to(ratio.dtype), zero).sum() / denom
 
-    capped = raw_w > cap if cap is not None else torch.zeros_like(valid)
     # k3 estimator of KL(current || prox): exp(-d) - 1 + d with d = logp - logp_prox.
     k3 = torch.exp(-log_ratio) - 1.0 + log_ratio
     w_max = torch.where(valid, raw_w, zero).max() if raw_w.numel() else zero
-    values = torch.stack([
-        mean(clip_active), mean(raw_w), w_max, mean(capped), mean(ratio), mean(k3), n.to(ratio.dtype),
-    ]).tolist()
-    names = ("clip_fraction", "imp_weight_mean", "imp_weight_max", "imp_weight_capped_fraction",
-             "ratio_mean", "approx_kl", "n_tokens")
-    return dict(zip(names, values))
+    named = {"clip_fraction": mean(clip_active), "dual_clip_fraction": mean(dual_active),
+             "imp_weight_mean": mean(raw_w), "imp_weight_max": w_max,
+             "imp_weight_capped_fraction": mean(out_of_bounds), "ratio_mean": mean(ratio), "approx_kl": mean(k3)}
+    if kl_ref is not None:
+        named["kl_ref"] = mean(kl_ref)
+    if entropy is not None:
+        named["entropy"] = mean(entropy)
+    named["n_tokens"] = n.to(ratio.dtype)
+    return dict(zip(named, torch.stack(list(named.values())).tolist()))

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import atomic
-from hpcrl.config import load_saved
+from hpcrl.ckpt.trainer_ckpt import Checkpointer
+from hpcrl.config import config_hash, load_saved
 from hpcrl.launch.dist import init_from_env
 from hpcrl.launch.heartbeat import Heartbeat
 from hpcrl.launch.logs import setup_logging
@@ -27,7 +28,8 @@ from hpcrl.launch.prepare import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.rollout.main import build_worker
 from hpcrl.trainer.fsdp import FSDPEngine
-from hpcrl.trainer.main import build_rank0, train_loop
+from hpcrl.trainer.main import build_rank0, resume, train_loop
+from hpcrl.weights.transport import DiskWeights
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,13 @@ def run(run_dir: Path) -> None:
         if not worker.pump():
             time.sleep(cfg.rollout.poll_interval_s)
 
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
     try:
-        train_loop(cfg, ctx, engine, feed, reporter, worker.engine.update_weights, wait=wait, heartbeat=heartbeat)
+        start = resume(cfg, ctx, engine, checkpointer, feed, reporter, DiskWeights(run_dir / "weights", cfg.weights))
+        if start:
+            worker.engine.update_weights(engine.full_state_dict(), start)
+        train_loop(cfg, ctx, engine, feed, reporter, worker.engine.update_weights, wait=wait, heartbeat=heartbeat,
+                   checkpointer=checkpointer, start_version=start)
         atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
     finally:
         reporter.close()

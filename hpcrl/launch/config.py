@@ -2,17 +2,62 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Literal
+
+_MEM = re.compile(r"^\d+[KMGT]?$")
+
+
+@dataclass
+class ResourcesConfig:
+    """What one component's Slurm job asks for (``launch.trainer.*``, ``launch.rollout.*``)."""
+
+    nodes: int = 1  # nodes per job
+    tasks_per_node: int = 0  # tasks (processes) per node; 0 = trainer.world_size / nodes for the trainer, 1 for a rollout
+    gpus_per_node: int = 0  # accelerators per node (--gpus-per-node); 0 = none requested
+    cpus_per_task: int = 1  # --cpus-per-task
+    mem: str = ""  # memory per node, e.g. "16G" (--mem); "" = the cluster's default
+    time_min: int = 60  # wall-clock limit in minutes (--time)
+    partition: str = ""  # --partition; "" = the cluster's default partition
+    account: str = ""  # --account; "" = the user's default account
+    qos: str = ""  # --qos; "" = default
+    constraint: str = ""  # --constraint, e.g. "a100"; "" = none
+    gres: str = ""  # --gres, e.g. "gpu:4"; "" = none
+    exclusive: bool = False  # --exclusive: whole nodes
+    extra_sbatch: list[str] = field(default_factory=list)  # more sbatch options, e.g. ["--reservation=foo"]
+    setup: list[str] = field(default_factory=list)  # shell lines run in the job before the component (module load, source venv)
+    container_image: str = ""  # srun --container-image (pyxis/enroot); "" = no container
+    container_mounts: str = ""  # srun --container-mounts, e.g. "/scratch:/scratch"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "cpus_per_task", "time_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("tasks_per_node", "gpus_per_node"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.mem and not _MEM.match(self.mem):
+            raise ValueError(f"mem: expected a size like 4000M or 16G, got {self.mem!r}")
+        for line in self.extra_sbatch:
+            if not line.removeprefix("#SBATCH").strip().startswith("--"):
+                raise ValueError(f"extra_sbatch: expected options like '--reservation=foo', got {line!r}")
+        if self.container_mounts and not self.container_image:
+            raise ValueError("container_mounts: set container_image too")
 
 
 @dataclass
 class LaunchConfig:
-    scheduler: Literal["local"] = "local"  # local: every component is a local process
+    # local: every component is a local process; slurm: each component is its own Slurm job (submitit);
+    # srun: inside an sbatch allocation (sbatch/run_async_ppo.sh), each component is an srun step in its het group
+    scheduler: Literal["local", "slurm", "srun"] = "local"
     mode: Literal["async", "colocated"] = "async"  # async: separate trainer and rollout processes; colocated: one process alternates
     progress_interval_s: float = 5.0  # seconds between progress lines on the terminal
     shutdown_timeout_s: float = 30.0  # grace period for components to exit after the run ends
     heartbeat_interval_s: float = 5.0  # how often each component process writes its heartbeat
+    trainer: ResourcesConfig = field(default_factory=ResourcesConfig)  # the trainer job's resources (slurm/srun)
+    rollout: ResourcesConfig = field(default_factory=ResourcesConfig)  # each rollout job's resources (slurm/srun)
+    slurm_state_interval_s: float = 2.0  # seconds between sacct/squeue reads of the jobs' states
 
     def __post_init__(self) -> None:
         if self.progress_interval_s <= 0:
@@ -21,3 +66,5 @@ class LaunchConfig:
             raise ValueError(f"shutdown_timeout_s: must be > 0, got {self.shutdown_timeout_s}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be > 0, got {self.heartbeat_interval_s}")
+        if self.slurm_state_interval_s <= 0:
+            raise ValueError(f"slurm_state_interval_s: must be > 0, got {self.slurm_state_interval_s}")

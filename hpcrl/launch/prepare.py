@@ -19,6 +19,7 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.config import RunConfig
 from hpcrl.data.arithmetic import write_addition_dataset
+from hpcrl.data.longtail import write_reverse_dataset
 from hpcrl.data.rows import Row, load_rows
 from hpcrl.model.hf_io import load_tokenizer, unknown_characters
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
@@ -48,6 +49,11 @@ def dataset_paths(cfg: RunConfig) -> tuple[Path, Path]:
     if d.synthetic == "addition":
         out = Path(d.synthetic_dir).expanduser() / f"addition-d{d.synthetic_digits}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}"
         return write_addition_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits)
+    if d.synthetic == "reverse":
+        out = (Path(d.synthetic_dir).expanduser()
+               / f"reverse-l{d.synthetic_max_len}-a{d.synthetic_alpha}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}")
+        return write_reverse_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed,
+                                     max_len=d.synthetic_max_len, alpha=d.synthetic_alpha)
     train = Path(d.train_path).expanduser()
     return train, Path(d.eval_path).expanduser() if d.eval_path else train
 

@@ -2,8 +2,11 @@
 
 :class:`LocalScheduler` runs every component as a local subprocess in its own
 session (so a whole process tree can be signalled), with stdout and stderr
-appended to a log file in the run directory. A Slurm implementation of the
-same Protocol submits each component as its own job.
+appended to a log file in the run directory. :mod:`hpcrl.launch.slurm`
+implements the same Protocol with Slurm: each component its own job through
+submitit (``SlurmScheduler``), or each component an ``srun`` step of one
+heterogeneous allocation (``SrunScheduler``, used by
+``sbatch/run_async_ppo.sh``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from hpcrl.launch.config import ResourcesConfig
 
 
 @dataclass
@@ -23,6 +29,8 @@ class ComponentSpec:
     argv: list[str]  # command line (python -m ...)
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the parent's environment
+    resources: ResourcesConfig | None = None  # what a Slurm job/step for it asks for (slurm and srun schedulers)
+    tasks: int = 1  # processes of this component in one job (trainer ranks under Slurm); "{rank}" in log_path
 
 
 class ComponentFailed(RuntimeError):
@@ -31,12 +39,22 @@ class ComponentFailed(RuntimeError):
         self.name, self.job_id, self.exit_code, self.log_tail = name, job_id, exit_code, log_tail
 
 
+class SubmitRejected(ComponentFailed):
+    """The scheduler refused to start a component (e.g. sbatch rejected the job)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        RuntimeError.__init__(self, f"{name}: the scheduler rejected the job: {message}")
+        self.name, self.job_id, self.exit_code, self.log_tail = name, "", 1, message
+
+
 class Scheduler(Protocol):
     def submit(self, spec: ComponentSpec) -> str: ...
 
     def poll(self, job_id: str) -> int | None: ...
 
     def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None: ...
+
+    def wait(self, job_id: str, timeout: float) -> int | None: ...
 
 
 class LocalScheduler:
@@ -74,6 +92,7 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
+    path = Path(str(path).replace("{rank}", "0"))  # a multi-task component: rank 0's log
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:

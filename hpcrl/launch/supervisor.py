@@ -1,8 +1,12 @@
 """The supervisor: start every component of a run, watch them, stop them.
 
 Lifecycle: build the component list from the config (trainer ranks and
-rollout replicas, or the one colocated process) -> submit each through the
-scheduler and record its job id in ``<run_dir>/jobs/`` -> loop: print a
+rollout replicas, or the one colocated process; under Slurm the trainer is
+one job/step whose tasks are its ranks, and every spec carries the
+resources of its component) -> choose the scheduler (``launch.scheduler``:
+local processes, a Slurm job per component, or srun steps of one
+allocation) -> submit each and record its job id in ``<run_dir>/jobs/``
+(a rejected submission cancels what was already submitted) -> loop: print a
 progress line from ``logs/metrics.jsonl``, check every job -> the run ends
 when the trainer ranks exit 0 after writing ``DONE`` (rollouts then exit by
 themselves, or are stopped after a grace period) -> or it fails when any
@@ -13,6 +17,7 @@ with the watchdog.)
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -21,8 +26,13 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.config import RunConfig
 from hpcrl.launch.dist import free_port
-from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, log_tail, python_module
+from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, Scheduler, log_tail, python_module
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.launch.finalize import finalize
+from hpcrl.launch.heartbeat import read_heartbeats
 from hpcrl.metrics.writer import read_metrics
+from hpcrl.spool.store import Spool
+from hpcrl.watchdog.policy import Decision, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,8 @@ def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     rd = ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
         return [ComponentSpec("colocated", python_module("hpcrl.launch.colocated", *rd), logs / "colocated.log")]
+    if cfg.launch.scheduler != "local":
+        return _slurm_specs(cfg, run_dir)
     world, port = cfg.trainer.world_size, str(free_port())
     specs = [ComponentSpec(f"trainer-r{r}", python_module("hpcrl.trainer", *rd), logs / f"trainer-r{r}.log",
                            {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
@@ -40,6 +52,31 @@ def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     specs += [ComponentSpec(f"rollout-{k}", python_module("hpcrl.rollout", *rd, "--replica", str(k)),
                             logs / f"rollout-{k}.log") for k in range(cfg.rollout.replicas)]
     return specs
+
+
+def _slurm_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    """One trainer job/step with world_size tasks (ranks from SLURM_PROCID), one per rollout replica."""
+    logs, rd = run_dir / "logs", ["--run-dir", str(run_dir)]
+    if cfg.launch.mode == "colocated":
+        return [ComponentSpec("colocated", python_module("hpcrl.launch.colocated", *rd), logs / "colocated.log",
+                              resources=cfg.launch.trainer)]
+    specs = [ComponentSpec("trainer", python_module("hpcrl.trainer", *rd), logs / "trainer-r{rank}.log",
+                           resources=cfg.launch.trainer, tasks=cfg.trainer.world_size)]
+    return specs + [ComponentSpec(f"rollout-{k}", python_module("hpcrl.rollout", *rd, "--replica", str(k)),
+                                  logs / f"rollout-{k}.log", resources=cfg.launch.rollout)
+                    for k in range(cfg.rollout.replicas)]
+
+
+def make_scheduler(cfg: RunConfig, run_dir: Path) -> Scheduler:
+    if cfg.launch.scheduler == "slurm":
+        from hpcrl.launch.slurm import SlurmScheduler  # submitit only where Slurm is used
+
+        return SlurmScheduler(run_dir / "logs" / "slurm", cfg.launch.slurm_state_interval_s)
+    if cfg.launch.scheduler == "srun":
+        from hpcrl.launch.slurm import SrunScheduler
+
+        return SrunScheduler()
+    return LocalScheduler()
 
 
 class Progress:
@@ -68,37 +105,108 @@ def _fmt(v, spec: str = "{:.3f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
-def supervise(cfg: RunConfig, run_dir: Path, scheduler: LocalScheduler | None = None) -> None:
+def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None) -> None:
     """Run all components to completion; raise ComponentFailed if one fails."""
-    scheduler = scheduler or LocalScheduler()
+    scheduler = scheduler or make_scheduler(cfg, run_dir)
     jobs: dict[str, tuple[str, ComponentSpec]] = {}
-    for spec in component_specs(cfg, run_dir):
-        jobs[spec.name] = (scheduler.submit(spec), spec)
-        log.info("started %s (pid %s), log %s", spec.name, jobs[spec.name][0], spec.log_path)
-    (run_dir / "jobs").mkdir(exist_ok=True)
-    atomic.write_json(run_dir / "jobs" / "registry.json", {n: {"job_id": j, "argv": s.argv} for n, (j, s) in jobs.items()})
-    progress = Progress(run_dir / "logs" / "metrics.jsonl", cfg.trainer.total_steps, cfg.launch.progress_interval_s)
-    trainers = [n for n in jobs if n.startswith(("trainer", "colocated"))]
     try:
-        while True:
-            progress.maybe_print()
-            codes = {n: scheduler.poll(j) for n, (j, _) in jobs.items()}
-            for name, code in codes.items():
-                if code not in (None, 0):
-                    raise ComponentFailed(name, jobs[name][0], code, log_tail(jobs[name][1].log_path))
-            if all(codes[n] == 0 for n in trainers):
-                if not (run_dir / "DONE").exists():
-                    raise ComponentFailed(trainers[0], jobs[trainers[0]][0], 0, "exited without writing DONE")
-                break
-            time.sleep(0.5)
-        progress.maybe_print(force=True)
-        _stop_rollouts(scheduler, jobs, cfg.launch.shutdown_timeout_s)
+        _submit_all(cfg, run_dir, scheduler, jobs)
+        _watch(cfg, run_dir, scheduler, jobs)
     finally:
         for job_id, _ in jobs.values():
             scheduler.cancel(job_id, signal.SIGKILL)
 
 
-def _stop_rollouts(scheduler: LocalScheduler, jobs: dict, timeout_s: float) -> None:
+def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> None:
+    (run_dir / "jobs").mkdir(exist_ok=True)
+    for spec in component_specs(cfg, run_dir):
+        jobs[spec.name] = (scheduler.submit(spec), spec)
+        log.info("started %s (%s %s), log %s", spec.name, "pid" if cfg.launch.scheduler == "local" else "job",
+                 jobs[spec.name][0], spec.log_path)
+        _write_registry(cfg, run_dir, jobs)
+
+
+def _write_registry(cfg: RunConfig, run_dir: Path, jobs: dict) -> None:
+    atomic.write_json(run_dir / "jobs" / "registry.json",
+                      {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks}
+                       for n, (j, s) in jobs.items()})
+
+
+def _is_trainer(name: str) -> bool:
+    return name.startswith(("trainer", "colocated"))
+
+
+def _heartbeat_name(name: str) -> str:
+    return "trainer-r0" if name == "trainer" else name  # a Slurm trainer job: rank 0 speaks for it
+
+
+def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> None:
+    """Supervise until the trainer is done; the watchdog resubmits what dies or hangs."""
+    progress = Progress(run_dir / "logs" / "metrics.jsonl", cfg.trainer.total_steps, cfg.launch.progress_interval_s)
+    watchdog, events = Watchdog(cfg.watchdog), run_dir / "jobs" / "events.jsonl"
+    for name in jobs:
+        watchdog.started(name)
+    while True:
+        progress.maybe_print()
+        codes = {n: scheduler.poll(j) for n, (j, _) in jobs.items()}
+        trainer_codes = [c for n, c in codes.items() if _is_trainer(n)]
+        if all(c == 0 for c in trainer_codes) and (run_dir / "DONE").exists():
+            break
+        beats = read_heartbeats(run_dir)
+        for name, code in codes.items():
+            if code == 0 and (not _is_trainer(name) or None in trainer_codes):
+                continue  # a rank that finished first, or a rollout that saw DONE
+            code = 1 if code == 0 else code  # every trainer rank exited 0 but nobody wrote DONE
+            decision = watchdog.assess(name, code, beats.get(_heartbeat_name(name), {}).get("time"))
+            if decision.action != "ok":
+                _act(cfg, run_dir, scheduler, jobs, watchdog, name, code, decision, beats, events)
+                break  # job set changed: poll again
+        time.sleep(0.5)
+    progress.maybe_print(force=True)
+    _stop_rollouts(scheduler, jobs, cfg.launch.shutdown_timeout_s)
+    finalize(run_dir)
+
+
+def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchdog: Watchdog, name: str,
+         code: int | None, decision: Decision, beats: dict, events: Path) -> None:
+    """Log the decision, then fail the run or cancel and resubmit the component (the whole trainer group)."""
+    job_id, spec = jobs[name]
+    _event(events, name, job_id, decision)
+    if decision.action == "fail":
+        raise ComponentFailed(name, job_id, code if code is not None else -1,
+                              f"{decision.reason}\n{log_tail(spec.log_path)}")
+    log.warning("watchdog: %s", decision.reason)
+    group = [n for n in jobs if _is_trainer(n)] if _is_trainer(name) else [name]
+    for n in group:
+        scheduler.cancel(jobs[n][0], signal.SIGKILL)
+    if name.startswith("rollout"):
+        _reclaim(run_dir, cfg, beats.get(name, {}).get("writer"))
+    time.sleep(decision.delay_s)
+    fresh = {s.name: s for s in component_specs(cfg, run_dir)}  # a trainer group gets a new rendezvous port
+    for n in group:
+        jobs[n] = (scheduler.submit(fresh[n]), fresh[n])
+        watchdog.started(n)
+        log.info("watchdog: resubmitted %s as %s", n, jobs[n][0])
+    _write_registry(cfg, run_dir, jobs)
+
+
+def _reclaim(run_dir: Path, cfg: RunConfig, writer: str | None) -> None:
+    """Reissue the tickets a dead rollout incarnation held, so no prompt group is lost."""
+    if not writer:
+        return
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, num_rows=1)
+    lost = ledger.reclaim(writer, Spool(run_dir / "spool").live_tickets())
+    if lost:
+        log.warning("watchdog: reissued %d tickets held by dead rollout %s", len(lost), writer)
+
+
+def _event(path: Path, name: str, job_id: str, decision: Decision) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), "component": name, "job_id": job_id,
+                            "action": decision.action, "reason": decision.reason}) + "\n")
+
+
+def _stop_rollouts(scheduler: Scheduler, jobs: dict, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     for name, (job_id, spec) in jobs.items():
         code = scheduler.wait(job_id, max(0.1, deadline - time.time()))
@@ -106,4 +214,4 @@ def _stop_rollouts(scheduler: LocalScheduler, jobs: dict, timeout_s: float) -> N
             log.warning("%s did not exit %.0fs after the run ended; stopping it", name, timeout_s)
             scheduler.cancel(job_id)
         elif code != 0:
-            raise ComponentFailed(name, job_id, code, log_tail(spec.log_path))
+            log.warning("%s exited with code %s after the run ended:\n%s", name, code, log_tail(spec.log_path, 10))

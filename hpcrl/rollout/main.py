@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.heartbeat import Heartbeat
+from hpcrl.launch.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.launch.logs import setup_logging
 from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_model, load_tokenizer
@@ -26,12 +31,12 @@ from hpcrl.rollout.engine import SamplingParams
 from hpcrl.rollout.torch_engine import TorchEngine
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.store import Spool
-from hpcrl.weights.transport import DiskWeights
+from hpcrl.weights.transport import DiskWeights, open_transport
 
 log = logging.getLogger(__name__)
 
 
-def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *, model=None,
+def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *, model=None, writer: str = "",
                  weights: DiskWeights | None = None) -> RolloutWorker:
     """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
     tokenizer = load_tokenizer(prep.init_model)
@@ -45,29 +50,40 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=Spool(run_dir / "spool"), reward=RewardRunner(cfg.reward),
-                         writer=f"r{replica}", weights=weights, chat_template=cfg.data.chat_template)
+                         writer=writer or f"r{replica}", weights=weights, chat_template=cfg.data.chat_template)
 
 
 def run(run_dir: Path, replica: int) -> None:
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
     setup_logging(f"rollout {replica}")
     torch.set_num_threads(cfg.rollout.threads)
-    worker = build_worker(cfg, run_dir, prep, replica, weights=DiskWeights(run_dir / "weights", cfg.weights))
+    weights = open_transport(run_dir / "weights", cfg.weights, "member")
+    writer = f"r{replica}-{secrets.token_hex(3)}"  # one id per incarnation: a restart never inherits tickets
+    worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer)
     heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
     done = run_dir / "DONE"
+    preempt = PreemptionFlag()
 
     def should_stop() -> bool:
         s = worker.stats
-        heartbeat.beat(version=worker.engine.version, groups=s.groups_published, samples=s.samples_generated,
-                       tokens=s.tokens_generated, restarted=s.samples_restarted)
-        return done.exists()
+        heartbeat.beat(writer=writer, version=worker.engine.version, groups=s.groups_published,
+                       samples=s.samples_generated, tokens=s.tokens_generated, restarted=s.samples_restarted)
+        return done.exists() or preempt.requested
 
-    log.info("rollout %d started (writer r%d, %d train rows)", replica, replica, len(worker.rows))
+    log.info("rollout %d started (writer %s, %d train rows)", replica, writer, len(worker.rows))
     try:
         worker.run(should_stop)
+        if preempt.requested:
+            log.warning("stopping on signal: %d unfinished groups handed back", worker.release_unfinished())
+            raise SystemExit(EXIT_REQUEUE)
     finally:
         worker.reward.close()
+        weights.close()
     s = worker.stats
+    transfer = getattr(weights, "stats", None)
+    atomic.write_json(run_dir / "logs" / f"rollout-{replica}.stats.json",
+                      {**asdict(s), "wall_s": time.time() - s.started,
+                       "transfer": asdict(transfer) if transfer is not None else None})
     log.info("rollout %d done: %d groups, %d samples, %d tokens, %d restarted, %d weight updates", replica,
              s.groups_published, s.samples_generated, s.tokens_generated, s.samples_restarted, s.weight_updates)
 

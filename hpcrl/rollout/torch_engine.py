@@ -148,8 +148,16 @@ class TorchEngine:
         self.stats["weight_updates"] += 1
         with torch.inference_mode():
             self._cache = self._prefill([s.tokens()[:-1] for s in self._running])
-        logger.info("weights now version %d; rebuilt the cache of %d running sequences",
+        logger.debug("weights now version %d; rebuilt the cache of %d running sequences",
                     version, len(self._running))
+
+    def abort_all(self) -> list[Request]:
+        """Drop every running and waiting sequence (their tokens are discarded); returns them as
+        fresh requests (original prompt, no output) so the caller can resubmit them."""
+        aborted = [s.request for s in self._running]
+        aborted += list(self._waiting)
+        self._running, self._waiting, self._cache = [], collections.deque(), None
+        return aborted
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Add all requests, step until all are done, return them in request order."""

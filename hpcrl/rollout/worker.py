@@ -57,6 +57,12 @@ class RolloutStats:
     samples_restarted: int = 0
     weight_updates: int = 0
     started: float = field(default_factory=time.time)
+    # seconds spent in each part of pump(): engine steps (busy), weights (poll + transfer + cache
+    # rebuild), admission (ledger tickets), spool (writing published groups, inside the busy time)
+    busy_s: float = 0.0
+    weights_s: float = 0.0
+    admit_s: float = 0.0
+    spool_s: float = 0.0
 
 
 class RolloutWorker:
@@ -78,14 +84,27 @@ class RolloutWorker:
                     on_idle()
                 time.sleep(self.cfg.poll_interval_s)
 
+    def release_unfinished(self) -> int:
+        """Hand the tickets of unfinished groups back to the ledger (graceful exit); returns the count."""
+        for index in self.groups:
+            self.ledger.reissue(index, f"rollout {self.writer} stopped before finishing it")
+        n, self.groups = len(self.groups), {}
+        return n
+
     def pump(self) -> bool:
         """One iteration of the loop; False when blocked (no admission, nothing running)."""
+        t0 = time.perf_counter()
         self._maybe_update_weights()
+        t1 = time.perf_counter()
         self._admit()
+        t2 = time.perf_counter()
+        self.stats.weights_s += t1 - t0
+        self.stats.admit_s += t2 - t1
         if self.engine.num_running() == 0 and self.engine.num_waiting() == 0:
             return False
         for completion in self.engine.step():
             self._collect(completion)
+        self.stats.busy_s += time.perf_counter() - t2
         return True
 
     # -- steps of the loop -----------------------------------------------------
@@ -93,15 +112,33 @@ class RolloutWorker:
         if self.weights is None:
             return
         latest = self.weights.latest_version()
-        if latest <= self.engine.version:
+        if latest == self.engine.version:
             return
         try:
             state = self.weights.fetch(latest)
-        except FileNotFoundError:  # pruned between the two reads: a newer one is already out
+        except FileNotFoundError:  # replaced between the two reads: look again next time
             return
-        self.engine.update_weights(state, latest)
+        if latest < self.engine.version:
+            self._regress(state, latest)
+        else:
+            self.engine.update_weights(state, latest)
         self.stats.weight_updates += 1
         log.debug("weights updated to version %d", latest)
+
+    def _regress(self, state, version: int) -> None:
+        """The trainer restarted from an older checkpoint: samples with newer tokens are regenerated."""
+        aborted = self.engine.abort_all()
+        self.engine.update_weights(state, version)
+        for request in aborted:
+            self.engine.add(Request(id=request.id, prompt_ids=request.prompt_ids))
+        for index, group in self.groups.items():
+            for i, c in enumerate(group.done):
+                if c is not None and c.versions and max(c.versions) > version:
+                    group.done[i] = None
+                    self.engine.add(Request(id=(index, i), prompt_ids=group.prompt_ids))
+        self.stats.samples_restarted += len(aborted)
+        log.warning("weights went back to version %d (trainer resumed); regenerating %d in-flight samples",
+                    version, len(aborted))
 
     def _admit(self) -> None:
         in_flight_cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
@@ -144,7 +181,9 @@ class RolloutWorker:
                    for c, r in zip(group.done, results)]
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
+        t0 = time.perf_counter()
         self.spool.publish(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
                                            prompt_ids=np.asarray(group.prompt_ids, np.int32),
                                            samples=samples, meta=meta))
+        self.stats.spool_s += time.perf_counter() - t0
         self.stats.groups_published += 1

@@ -22,8 +22,10 @@ that the checkpoint does not cover go back to ``ready/`` (``release_claimed``).
 Ordering rules: every move is one ``rename`` on the same filesystem, hence
 atomic; a reason file is written (atomically) *before* its data file is moved,
 so a dropped or quarantined file always has its reason. Moves never overwrite:
-a name collision means a ticket was produced twice, which is a bug, and raises
-``FileExistsError``. Each destination directory has a single owner (rollouts
+into ready/, claimed/ or trained/ a name collision means a ticket was produced
+twice, which is a bug, and raises ``FileExistsError``; in dropped/ and
+quarantine/ a ticket regenerated and set aside again under the same name goes
+to ``again-<k>/`` beside the first. Each destination directory has a single owner (rollouts
 own ``ready/`` names by ticket and writer id, the trainer owns the rest), which
 is what makes the check-then-rename free of races. No ``flock`` anywhere.
 """
@@ -163,6 +165,19 @@ class Spool:
     def quarantined(self) -> list[SpoolEntry]:
         return self._list(self.quarantine_dir)
 
+    def live_tickets(self) -> set[int]:
+        """Tickets with a file on the way to training (ready, claimed or trained).
+
+        Listed in the direction files move (ready -> claimed -> trained), so a
+        file moving during the scan is seen at least once.
+        """
+        out: set[int] = set()
+        for directory in (self.ready_dir, self.claimed_dir):
+            out |= {e.ticket for e in self._list(directory)}
+        for entries in self.trained().values():
+            out |= {e.ticket for e in entries}
+        return out
+
     def counts(self) -> dict[str, int]:
         """File counts: ready, claimed, trained, dropped, quarantined."""
         return {
@@ -236,14 +251,18 @@ class Spool:
         return read_json(p) if p.exists() else None
 
     def _set_aside(self, entry: SpoolEntry, directory: Path, reason: str) -> None:
-        dst = directory / entry.name
-        if dst.exists():
-            raise FileExistsError(f"spool name collision: {dst} already exists (moving {entry.path})")
+        """Move ``entry`` aside with its reason. A second file of the same name (a ticket regenerated
+        and set aside again, e.g. across trainer restarts) goes to ``again-<k>/``: nothing is overwritten."""
+        dst, k = directory / entry.name, 0
+        while dst.exists():
+            k += 1
+            (directory / f"again-{k}").mkdir(exist_ok=True)
+            dst = directory / f"again-{k}" / entry.name
         record = {"reason": reason, "time": time.time(), "from": entry.path.parent.name,
                   "ticket": entry.ticket, "writer": entry.writer}
-        write_json(directory / (entry.name + REASON_SUFFIX), record)
+        write_json(dst.parent / (entry.name + REASON_SUFFIX), record)
         _rename_noreplace(entry.path, dst)
-        fsync_dir(directory)
+        fsync_dir(dst.parent)
 
     def release(self, entries: list[SpoolEntry]) -> int:
         """Move the given claimed ``entries`` back to ready/; returns the count moved."""

@@ -1,7 +1,9 @@
 """From spool prompt groups to padded micro-batches (pure functions).
 
-Ordering rules: advantages are computed per prompt group *before* anything is
-split; groups whose rewards are all equal are left out of the loss when
+Ordering rules: rewards are shaped (overlong penalty) and advantages computed
+on whole prompt groups and the whole step batch *before* anything is split
+(token-level estimators get per-sequence scores here and per-token advantages
+in the engine); groups whose rewards are all equal are left out of the loss when
 ``drop_uniform_groups`` is set (they carry no signal); the remaining sequences
 are split into ``n_minibatches`` minibatches (one optimizer update each), each
 minibatch is dealt round-robin to the ranks by decreasing length (balanced
@@ -16,12 +18,14 @@ with prompt length ``P`` sits at ``t = P - 1 + j``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from hpcrl.algo.advantages import group_advantages, uniform_groups
+from hpcrl.algo.advantages import group_advantages
 from hpcrl.algo.config import AlgoConfig
+from hpcrl.algo.dapo import is_informative, overlong_penalty
 from hpcrl.spool.format import TrajectoryGroup
 
 
@@ -32,7 +36,7 @@ class TrainSequence:
     behav_logprobs: np.ndarray  # float32 [L]
     versions: np.ndarray  # int32 [L]
     loss_mask: np.ndarray  # uint8 [L]
-    advantage: float
+    advantage: float  # sequence advantage, or the sequence score for token-level estimators
     ticket: int
 
     def __len__(self) -> int:
@@ -48,23 +52,57 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # float32 [b, T-1]
     advantages: torch.Tensor  # float32 [b, T-1]
     versions: torch.Tensor  # int64 [b, T-1], -1 off the response
+    seq_scores: torch.Tensor | None = None  # float32 [b], TrainSequence.advantage of each row
 
     @property
     def n_tokens(self) -> int:
         return int(self.mask.sum().item())
 
 
+def shaped_rewards(group: TrajectoryGroup, cfg: AlgoConfig) -> list[float]:
+    """The group's rewards after reward shaping (DAPO's soft overlong penalty when ``overlong_buffer > 0``)."""
+    rewards = [float(s.reward) for s in group.samples]
+    if cfg.overlong_buffer > 0:
+        lengths = torch.tensor([len(s.response_ids) for s in group.samples])
+        penalty = overlong_penalty(lengths, cfg.overlong_max_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+        rewards = [r + p for r, p in zip(rewards, penalty.tolist())]
+    return rewards
+
+
+def informative_filter(cfg: AlgoConfig) -> Callable[[TrajectoryGroup], bool] | None:
+    """DAPO dynamic sampling: the feed's test for groups worth training on (None when it is off)."""
+    if not cfg.dynamic_sampling:
+        return None
+    return lambda group: is_informative(shaped_rewards(group, cfg))
+
+
 def to_sequences(groups: list[TrajectoryGroup], cfg: AlgoConfig) -> tuple[list[TrainSequence], int]:
-    """All trainable sequences of ``groups`` and the number of uniform groups left out."""
-    seqs, n_uniform = [], 0
+    """All trainable sequences of ``groups`` and the number of uniform groups left out.
+
+    Advantages (or, for token-level estimators, sequence scores) are computed
+    on the shaped rewards of all kept groups at once, so batch-level
+    statistics cover the whole step batch.
+    """
+    kept, rows, n_uniform = [], [], 0
     for group in groups:
-        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float64)
-        if cfg.drop_uniform_groups and bool(uniform_groups(rewards)[0]):
+        rewards = shaped_rewards(group, cfg)
+        if cfg.drop_uniform_groups and not is_informative(rewards):
             n_uniform += 1
             continue
-        adv = group_advantages(rewards, cfg.adv_estimator, cfg.adv_eps)[0]
+        kept.append(group)
+        rows.append(rewards)
+    if not kept:
+        return [], n_uniform
+    if len({len(r) for r in rows}) != 1:
+        sizes = sorted({len(r) for r in rows})
+        raise ValueError(f"group_size: every group of a step must have the same size, got {sizes}")
+    adv = group_advantages(torch.tensor(rows, dtype=torch.float64), cfg.adv_estimator, cfg.adv_eps,
+                           mean_level=cfg.adv_mean_level, std_level=cfg.adv_std_level,
+                           unbiased=cfg.adv_std_unbiased)
+    seqs = []
+    for group, adv_row in zip(kept, adv.tolist()):
         prompt = np.asarray(group.prompt_ids, dtype=np.int64)
-        for sample, a in zip(group.samples, adv.tolist()):
+        for sample, a in zip(group.samples, adv_row):
             if len(sample.response_ids) == 0:
                 continue
             seqs.append(TrainSequence(
@@ -125,4 +163,5 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> MicroBatch:
         vers[i, span] = torch.from_numpy(s.versions.astype(np.int64))
     if seqs[0].ticket < 0:
         mask.zero_()
-    return MicroBatch(ids, attn, ids[:, 1:].clone(), mask, behav, adv, vers)
+    scores = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    return MicroBatch(ids, attn, ids[:, 1:].clone(), mask, behav, adv, vers, scores)

@@ -3,13 +3,20 @@
 Ordering rules (rank 0 only):
 
 * A ready file whose oldest token (head version, in its name) is more than
-  ``max_staleness`` versions behind the current trainer version is dropped
-  with the reason ``stale`` and recorded in the admission ledger, so the
-  admission bound frees its slot; it is never trained.
+  ``max_staleness`` versions behind the current trainer version is never
+  trained: it is set aside in ``spool/dropped/`` (reason ``stale``) and its
+  ticket is reissued, so the prompt group is generated again, fresh.
 * Eligible files are taken oldest first (by head version, then ticket), by
   rename into ``claimed/``; a file that fails validation is quarantined by
   the spool and recorded as dropped in the ledger; taking continues until B
   valid groups are in hand.
+* With DAPO dynamic sampling (``keep`` given), a claimed group that ``keep``
+  rejects (all rewards equal) is dropped with the reason ``uniform`` and
+  recorded in the ledger, so admission lets a replacement in; taking goes on
+  until B kept groups are in hand.
+* A ready file with tokens newer than the trainer's version came from a
+  policy lost when the trainer restarted from a checkpoint: it is set aside
+  and its ticket reissued (see :mod:`hpcrl.ckpt.reconcile`).
 * After the step, :meth:`BatchFeed.commit` moves the claimed files into
   ``trained/step_<v>/`` where ``v`` is the version that trained them.
 """
@@ -21,6 +28,7 @@ import time
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.ckpt.reconcile import reissue_lost
 from hpcrl.spool.format import TrajectoryGroup
 from hpcrl.spool.store import Spool, SpoolEntry
 
@@ -33,12 +41,14 @@ class BatchTimeout(RuntimeError):
 
 class BatchFeed:
     def __init__(self, spool: Spool, ledger: AdmissionLedger, batch_size: int, max_staleness: int,
-                 timeout_s: float = 600.0, poll_s: float = 0.01) -> None:
+                 timeout_s: float = 600.0, poll_s: float = 0.01,
+                 keep: Callable[[TrajectoryGroup], bool] | None = None) -> None:
         self.spool, self.ledger = spool, ledger
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._pending: list[SpoolEntry] = []
-        self.dropped = {"stale": 0, "quarantined": 0}
+        self.keep = keep  # dynamic sampling: groups it rejects are dropped as "uniform"
+        self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
 
     def next_batch(self, version: int, wait: Callable[[], None] | None = None) -> list[TrajectoryGroup]:
         """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep)."""
@@ -53,6 +63,11 @@ class BatchFeed:
                     self.ledger.record_drop(entry.ticket, "quarantined")
                     self.dropped["quarantined"] += 1
                     continue
+                if self.keep is not None and not self.keep(group):
+                    self.spool.drop(entry, "uniform")
+                    self.ledger.record_drop(entry.ticket, "uniform")
+                    self.dropped["uniform"] = self.dropped.get("uniform", 0) + 1
+                    continue
                 groups.append(group)
                 entries.append(entry)
             if len(groups) < self.batch_size:
@@ -66,12 +81,15 @@ class BatchFeed:
     def _eligible(self, version: int) -> list[SpoolEntry]:
         out = []
         for entry in self.spool.ready():
-            if entry.min_version < version - self.max_staleness:
-                reason = f"stale: head version {entry.min_version} < {version} - {self.max_staleness}"
+            if entry.max_version > version:  # from a policy lost in a trainer restart: generate it again
+                reissue_lost(self.spool, self.ledger, entry, version)
+                self.dropped["lost_policy"] = self.dropped.get("lost_policy", 0) + 1
+            elif entry.min_version < version - self.max_staleness:
+                reason = f"stale: head version {entry.min_version} < {version} - {self.max_staleness}; regenerated"
                 self.spool.drop(entry, reason)
-                self.ledger.record_drop(entry.ticket, reason)
+                self.ledger.reissue(entry.ticket, reason)
                 self.dropped["stale"] += 1
-                log.warning("dropped ticket %d (%s)", entry.ticket, reason)
+                log.warning("set aside ticket %d (%s)", entry.ticket, reason)
             else:
                 out.append(entry)
         return out

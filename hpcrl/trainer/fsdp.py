@@ -1,10 +1,18 @@
 """The FSDP2 train engine: one instance per trainer rank.
 
 Lifecycle: build (load the HF model, shard every decoder layer and the root
-with ``fully_shard``, create AdamW and the LR schedule) -> for each step,
-:meth:`FSDPEngine.train_step` (recompute proximal logprobs with the current
-weights, then ``n_minibatches`` optimizer updates of the decoupled PPO loss)
--> :meth:`full_state_dict` for publishing (collective: every rank calls it).
+with ``fully_shard``, create AdamW and the LR schedule; a frozen reference
+model when a KL term is on; a critic with its own AdamW for
+``adv_estimator: gae``) -> for each step, :meth:`FSDPEngine.train_step`:
+(1) no-grad passes over the whole step batch: proximal logprobs (skipped with
+``prox_approx``), reference logprobs, critic values; (2) token-level
+advantages (KL reward penalty, GAE/returns, whitening with moments summed over
+all ranks) for token-level estimators; (3) ``n_minibatches`` optimizer updates
+of the decoupled PPO loss (+ KL loss term, entropy bonus) and the clipped
+value loss -> :meth:`full_state_dict` for publishing (collective: every rank
+calls it). Trainer state to checkpoint: ``model``, ``optimizer``,
+``scheduler``, ``critic``, ``critic_optimizer``, ``critic_scheduler``,
+``version`` (``ref_model`` is the frozen initial policy).
 
 Every rank runs the same number of forward/backward passes (FSDP's
 collectives demand it): ranks with less data run empty micro-batches. The
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +35,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from hpcrl.algo import (
+    aggregate,
+    approx_prox_logprobs,
+    gae,
+    kl_estimate,
+    masked_moments,
+    resolve_levels,
+    token_entropy,
+    token_rewards,
+    value_loss_per_token,
+    whiten,
+)
 from hpcrl.algo.config import AlgoConfig
 from hpcrl.algo.losses import decoupled_ppo_loss, loss_normaliser, token_logprobs
 from hpcrl.launch.dist import DistContext
@@ -53,32 +74,57 @@ class FSDPEngine:
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
                  pad_id: int, dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
-        model = load_model(model_path, dtype=dtype).to(ctx.device)
-        model.config.use_cache = False
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+        self.model = _shard(load_model(model_path, dtype=dtype).to(ctx.device), mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.version = 0  # policy version at the start of the next step (used by prox_approx)
+        self.ref_model = None
+        if algo.needs_reference:  # the frozen initial policy
+            self.ref_model = _shard(load_model(model_path, dtype=dtype).to(ctx.device), mesh).eval()
+            self.ref_model.requires_grad_(False)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if algo.adv_estimator == "gae":
+            from transformers import AutoModelForTokenClassification
+
+            critic = AutoModelForTokenClassification.from_pretrained(
+                str(model_path), num_labels=1, dtype=dtype, local_files_only=True)
+            self.critic = _shard(critic.to(ctx.device), mesh)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr,
+                                                      betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
+                                                                      lambda s: lr_factor(s, cfg))
 
     # -- forward ---------------------------------------------------------
-    def _logprobs(self, mb: B.MicroBatch) -> torch.Tensor:
-        out = self.model(input_ids=mb.input_ids.to(self.ctx.device),
-                         attention_mask=mb.attention_mask.to(self.ctx.device))
-        return token_logprobs(out.logits[:, :-1].float(), mb.targets.to(self.ctx.device), self.algo.temperature)
+    def _logprobs(self, mb: B.MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        return self._forward(mb, model, entropy=None)[0]
+
+    def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
+                 entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token logprobs and, unless ``entropy`` is None, entropies ('detached' or 'grad')."""
+        out = (model or self.model)(input_ids=mb.input_ids.to(self.ctx.device),
+                                    attention_mask=mb.attention_mask.to(self.ctx.device))
+        logits = out.logits[:, :-1].float()
+        logp = token_logprobs(logits, mb.targets.to(self.ctx.device), self.algo.temperature)
+        if entropy is None:
+            return logp, None
+        return logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)
+
+    def _values(self, mb: B.MicroBatch) -> torch.Tensor:
+        out = self.critic(input_ids=mb.input_ids.to(self.ctx.device),
+                          attention_mask=mb.attention_mask.to(self.ctx.device))
+        return out.logits[:, :-1, 0].float()
 
     def _global_count(self, local: int) -> int:
         t = torch.tensor([local], dtype=torch.long, device=self.ctx.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def _global_sum(self, local: float) -> float:
-        t = torch.tensor([local], dtype=torch.float64, device=self.ctx.device)
+    def _global_sum(self, local: float | torch.Tensor) -> float | torch.Tensor:
+        t = torch.as_tensor(local, dtype=torch.float64).reshape(-1).to(self.ctx.device).clone()
         dist.all_reduce(t)
-        return float(t.item())
+        return float(t.item()) if t.numel() == 1 and not torch.is_tensor(local) else t.cpu()
 
     def _micro_batches(self, seqs: list[B.TrainSequence]) -> list[B.MicroBatch]:
         groups = B.pack(B.shard(seqs, self.ctx.rank, self.ctx.world_size), self.cfg.micro_batch_tokens)
@@ -86,46 +132,160 @@ class FSDPEngine:
         return [B.collate(g, self.pad_id) for g in groups] + [B.collate([], self.pad_id)] * (n - len(groups))
 
     # -- one training step ---------------------------------------------------
-    def train_step(self, seqs: list[B.TrainSequence]) -> dict[str, float]:
-        """Prox recompute + ``n_minibatches`` updates over ``seqs`` (the same list on every rank)."""
+    def train_step(self, seqs: list[B.TrainSequence], version: int | None = None) -> dict[str, float]:
+        """Prepare passes + ``n_minibatches`` updates over ``seqs`` (the same list on every rank).
+
+        ``version`` is the policy version at the start of the step (default:
+        the count of steps this engine has made).
+        """
         self.model.train()
+        if version is not None:
+            self.version = version
+        t0 = time.perf_counter()
         minibatches = [self._micro_batches(mb) for mb in B.split_minibatches(seqs, self.cfg.n_minibatches)]
         with torch.no_grad():
-            prox = [[self._logprobs(mb).detach() for mb in mbs] for mbs in minibatches]
-        stats: dict[str, float] = {}
-        for mbs, prox_mbs in zip(minibatches, prox):
-            for k, v in self._update(mbs, prox_mbs).items():
-                stats[k] = stats.get(k, 0.0) + v / len(minibatches)
+            aux = [[self._prepare(mb) for mb in mbs] for mbs in minibatches]
+        stats = self._token_advantages(minibatches, aux) if self.algo.token_level_advantages else {}
+        stats.update(self._advantage_stats([mb for mbs in minibatches for mb in mbs]))
+        stats["time/prepare_s"] = time.perf_counter() - t0
+        for k, (mbs, aux_k) in enumerate(zip(minibatches, aux)):
+            for key, v in self._update(mbs, aux_k, k, len(minibatches)).items():
+                stats[key] = stats.get(key, 0.0) + v / len(minibatches)
+        self.version += 1
         return stats
 
-    def _update(self, mbs: list[B.MicroBatch], prox: list[torch.Tensor]) -> dict[str, float]:
+    def _prepare(self, mb: B.MicroBatch) -> dict[str, torch.Tensor]:
+        """No-grad passes of one micro-batch: proximal and reference logprobs, critic values."""
+        aux = {}
+        if not self.algo.prox_approx:
+            aux["prox"] = self._logprobs(mb)
+        if self.ref_model is not None:
+            aux["ref"] = self._logprobs(mb, self.ref_model)
+        if self.critic is not None:
+            aux["values"] = self._values(mb)
+        return aux
+
+    def _token_advantages(self, minibatches: list[list[B.MicroBatch]],
+                          aux: list[list[dict[str, torch.Tensor]]]) -> dict[str, float]:
+        """Per-token advantages in place of ``mb.advantages``; whitening moments summed over all ranks."""
+        algo, dev = self.algo, self.ctx.device
+        lam = algo.lam if algo.adv_estimator == "gae" else 1.0
+        kl_coef = algo.kl_coef if algo.kl_mode == "reward" else 0.0
+        moments, kl_sum = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        for mb, a in ((mb, a) for mbs, auxs in zip(minibatches, aux) for mb, a in zip(mbs, auxs)):
+            mask = mb.mask.to(dev)
+            kl = None
+            if kl_coef:
+                base = a.get("prox", mb.behav_logprobs.to(dev))
+                kl = kl_estimate(base, a["ref"], algo.kl_estimator, mask)
+                kl_sum += masked_moments(kl, mask).cpu()
+            rewards = token_rewards(mb.seq_scores.to(dev), mask, kl, kl_coef)
+            mb.advantages, a["returns"] = gae(rewards, a.get("values"), mask, algo.gamma, lam)
+            moments += masked_moments(mb.advantages, mask).cpu()
+        moments = self._global_sum(moments)
+        mean_lv, std_lv = resolve_levels(algo.adv_estimator, algo.adv_mean_level, algo.adv_std_level, "token")
+        for mb in (mb for mbs in minibatches for mb in mbs):
+            mb.advantages = whiten(mb.advantages, mb.mask.to(dev), moments, shift_mean=mean_lv == "batch",
+                                   scale=std_lv == "batch", unbiased=algo.adv_std_unbiased, eps=algo.adv_eps)
+        stats = {"adv/return_mean": float(moments[0] / max(float(moments[2]), 1.0))}
+        if kl_coef:
+            kl_sum = self._global_sum(kl_sum)
+            stats["kl/reward_penalty_mean"] = float(kl_sum[0] / max(float(kl_sum[2]), 1.0))
+        return stats
+
+    def _advantage_stats(self, mbs: list[B.MicroBatch]) -> dict[str, float]:
+        """Mean/std over all ranks' trained tokens; max/min of this rank's tokens."""
+        moments = torch.zeros(3, dtype=torch.float64)
+        hi, lo = -math.inf, math.inf
+        for mb in mbs:
+            valid = mb.mask > 0
+            if bool(valid.any()):
+                adv = mb.advantages.detach().cpu()[valid]
+                moments += masked_moments(adv, torch.ones_like(adv))
+                hi, lo = max(hi, float(adv.max())), min(lo, float(adv.min()))
+        s, ss, n = self._global_sum(moments).tolist()
+        if n == 0:
+            return {}
+        mean = s / n
+        out = {"adv/mean": mean, "adv/std": math.sqrt(max(ss / n - mean * mean, 0.0))}
+        if math.isfinite(hi):
+            out.update({"adv/max": hi, "adv/min": lo})
+        return out
+
+    def _update(self, mbs: list[B.MicroBatch], aux: list[dict[str, torch.Tensor]], k: int,
+                n_updates: int) -> dict[str, float]:
         agg = self.algo.loss_agg
         norm = self._global_sum(sum(loss_normaliser(mb.mask, agg) for mb in mbs))
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, acc, tokens = 0.0, {}, 0
-        for mb, logp_prox in zip(mbs, prox):
-            logp = self._logprobs(mb)
-            out = decoupled_ppo_loss(logp, logp_prox, mb.behav_logprobs.to(logp.device), mb.advantages.to(logp.device),
-                                     mb.mask.to(logp.device), self.algo, normaliser=max(norm, 1.0))
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        sums, acc, tokens = {"loss/value": 0.0, "loss/pg_loss": 0.0, "value/loss": 0.0}, {}, 0
+        for mb, a in zip(mbs, aux):
+            out = self._policy_loss(mb, a, k, n_updates, max(norm, 1.0))
             (out.loss * self.ctx.world_size).backward()
-            total_loss += float(out.loss.item())
+            sums["loss/value"] += float(out.loss.item())
+            sums["loss/pg_loss"] += out.stats.pop("pg_loss")
+            if self.critic is not None:
+                value_loss, value_stats = self._critic_backward(mb, a, max(norm, 1.0))
+                sums["value/loss"] += value_loss
+                out.stats.update(value_stats)
             n = mb.n_tokens
             tokens += n
-            for k, v in out.stats.items():
-                if k == "n_tokens" or n == 0 or not math.isfinite(v):
+            for key, v in out.stats.items():
+                if key == "n_tokens" or n == 0 or not math.isfinite(v):
                     continue
-                acc[k] = max(acc.get(k, v), v) if k.endswith("_max") else acc.get(k, 0.0) + v * n
-        grad_norm = self._clip()
+                acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v * n
+        grad_norm = self._step(norm)
+        stats = {(k if "/" in k else f"loss/{k}"): v if k.endswith("_max") else v / tokens
+                 for k, v in acc.items()} if tokens else {}
+        if self.critic is None:
+            sums.pop("value/loss")
+        stats.update({k: self._global_sum(v) for k, v in sums.items()})
+        stats.update({"grad/norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]})
+        return stats
+
+    def _policy_loss(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], k: int, n_updates: int,
+                     norm: float):
+        dev = self.ctx.device
+        logp, entropy = self._forward(mb, entropy="grad" if self.algo.entropy_coef > 0 else "detached")
+        mask, behav = mb.mask.to(dev), mb.behav_logprobs.to(dev)
+        prox = aux.get("prox")
+        if prox is None:  # the k-th update's weights are version v + k / n
+            prox = approx_prox_logprobs(behav, logp, mb.versions.to(dev), float(self.version),
+                                        self.version + k / n_updates, mask)
+        return decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, self.algo, normaliser=norm,
+                                  logp_ref=aux.get("ref"), entropy=entropy)
+
+    def _critic_backward(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], norm: float
+                         ) -> tuple[float, dict[str, float]]:
+        """Clipped value loss of one micro-batch, backward into the critic; (its loss share, token means)."""
+        mask = mb.mask.to(self.ctx.device)
+        values = self._values(mb)
+        per_token, clipped = value_loss_per_token(values, aux["values"], aux["returns"], mask, self.algo.value_clip)
+        loss = self.algo.value_loss_coef * aggregate(per_token, mask > 0, self.algo.loss_agg, norm)
+        (loss * self.ctx.world_size).backward()
+        n = max(float(mask.sum()), 1.0)
+        with torch.no_grad():
+            means = {"value/clip_fraction": float(clipped.sum()) / n,
+                     "value/mean": float((values * mask).sum()) / n,
+                     "value/return_mean": float((aux["returns"] * mask).sum()) / n}
+        return float(loss.item()), means
+
+    def _step(self, norm: float) -> float:
+        """Clip and step the policy (and critic) optimizers; the policy's gradient norm."""
+        grad_norm = self._clip(self.model)
         if norm > 0:
             self.optimizer.step()
         self.scheduler.step()
-        stats = {f"loss/{k}": v if k.endswith("_max") else v / tokens for k, v in acc.items()} if tokens else {}
-        stats.update({"loss/value": self._global_sum(total_loss), "grad/norm": grad_norm,
-                      "lr": self.optimizer.param_groups[0]["lr"]})
-        return stats
+        if self.critic is not None:
+            self._clip(self.critic)
+            if norm > 0:
+                self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        return grad_norm
 
-    def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _clip(self, model: torch.nn.Module) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return 0.0
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
@@ -138,3 +298,12 @@ class FSDPEngine:
         """Unsharded CPU weights on rank 0 (empty elsewhere); every rank must call it."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
+
+
+def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2: every decoder layer, then the root."""
+    model.config.use_cache = False
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -31,53 +31,118 @@ import torch.distributed as dist
 
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.config import RunConfig, load_saved
+from hpcrl.ckpt.reconcile import reconcile
+from hpcrl.ckpt.trainer_ckpt import Checkpointer
+from hpcrl.config import RunConfig, config_hash, load_saved
 from hpcrl.launch.dist import DistContext, init_from_env
 from hpcrl.launch.heartbeat import Heartbeat
 from hpcrl.launch.logs import setup_logging
+from hpcrl.launch.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
 from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared, scorer
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
+from hpcrl.spool.format import TrajectoryGroup
 from hpcrl.spool.store import Spool
-from hpcrl.trainer.batch import to_sequences
+from hpcrl.trainer.batch import informative_filter, to_sequences
 from hpcrl.trainer.feed import BatchFeed
 from hpcrl.trainer.fsdp import FSDPEngine
 from hpcrl.trainer.report import Reporter
-from hpcrl.weights.transport import DiskWeights
+from hpcrl.weights.transport import DiskWeights, open_transport
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[[Mapping[str, torch.Tensor], int], None]
+_PREEMPTED = "preempted"
 
 
 def train_loop(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, feed: BatchFeed | None,
                reporter: Reporter | None, publish: Publish, wait: Callable[[], None] | None = None,
-               heartbeat: Heartbeat | None = None) -> None:
+               heartbeat: Heartbeat | None = None, checkpointer: Checkpointer | None = None,
+               start_version: int = 0, preempt: PreemptionFlag | None = None) -> None:
+    total = cfg.trainer.total_steps
     if reporter:
-        reporter.start(0)
-    for version in range(cfg.trainer.total_steps):
+        reporter.start(start_version)
+    for version in range(start_version, total):
         t0 = time.time()
-        groups = feed.next_batch(version, wait) if ctx.is_main else None
-        if ctx.world_size > 1:
-            box = [groups]
-            dist.broadcast_object_list(box, src=0)
-            groups = box[0]
+        try:
+            groups = take_batch(feed, ctx, version, wait)
+        except Preempted:
+            if checkpointer and not checkpointer.has(version):
+                checkpointer.save(engine, version, counters(feed, reporter))
+            raise
         t1 = time.time()
         seqs, n_uniform = to_sequences(groups, cfg.algo)
-        stats = engine.train_step(seqs)
+        stats = engine.train_step(seqs, version=version)
         t2 = time.time()
         state = engine.full_state_dict()
+        t_commit = 0.0
         if ctx.is_main:
             publish(state, version + 1)
+            t_commit = time.time()
             feed.commit(version)
+            t_commit = time.time() - t_commit
         t3 = time.time()
         if reporter:
             extra = {"groups/uniform": n_uniform, "version": version + 1,
                      **{f"groups/dropped_{k}": v for k, v in feed.dropped.items()}}
-            reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "train": t2 - t1, "publish": t3 - t2,
+            reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "train": t2 - t1, "publish": t3 - t2 - t_commit,
+                                                       "commit": t_commit,
                                                        "step": time.time() - t0}, state, extra)
         if heartbeat:
             heartbeat.beat(version=version + 1)
+        stop = agree(ctx, preempt is not None and preempt.requested)
+        if checkpointer and (stop or checkpointer.due(version + 1, total)):
+            checkpointer.save(engine, version + 1, counters(feed, reporter))
+        if stop:
+            raise Preempted(f"signal {preempt.signum if preempt else '?'} after step {version + 1}")
+
+
+def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
+               wait: Callable[[], None] | None) -> list[TrajectoryGroup]:
+    """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank."""
+    groups: object = None
+    if ctx.is_main:
+        try:
+            groups = feed.next_batch(version, wait)
+        except Preempted:
+            groups = _PREEMPTED
+    if ctx.world_size > 1:
+        box = [groups]
+        dist.broadcast_object_list(box, src=0)
+        groups = box[0]
+    if isinstance(groups, str) and groups == _PREEMPTED:
+        raise Preempted(f"signal while waiting for the batch of version {version}")
+    return groups
+
+
+def agree(ctx: DistContext, flag: bool) -> bool:
+    """True on every rank if it is true on any."""
+    if ctx.world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def counters(feed: BatchFeed | None, reporter: Reporter | None) -> dict:
+    """Rank 0's running totals, kept in the checkpoint so metrics continue seamlessly."""
+    return {"dropped": dict(feed.dropped) if feed else {}, "samples_total": reporter.samples_total if reporter else 0}
+
+
+def resume(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, checkpointer: Checkpointer,
+           feed: BatchFeed | None, reporter: Reporter | None, weights: DiskWeights) -> int:
+    """Restore the newest valid checkpoint (if any) and reconcile the run directory; the start version."""
+    meta = checkpointer.restore(engine)
+    start = meta["step"] if meta else 0
+    state = engine.full_state_dict()
+    if ctx.is_main:
+        if meta:
+            feed.dropped.update(meta.get("dropped", {}))
+            reporter.samples_total = meta.get("samples_total", 0)
+        reconcile(start, feed.spool, feed.ledger, weights, state)
+    if ctx.world_size > 1:
+        dist.barrier()
+    return start
 
 
 def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer) -> tuple[BatchFeed, Reporter, RewardRunner]:
@@ -85,7 +150,7 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer) -> tup
     train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
     feed = BatchFeed(Spool(run_dir / "spool"), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
-                     cfg.trainer.batch_timeout_s)
+                     cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         tokenizer=tokenizer, eval_rows=eval_rows, score=scorer(runner),
@@ -104,14 +169,30 @@ def run(run_dir: Path) -> None:
     feed = reporter = runner = None
     if ctx.is_main:
         feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer)
-    weights = DiskWeights(run_dir / "weights", cfg.weights)
+    weights = (open_transport(run_dir / "weights", cfg.weights, "host") if ctx.is_main  # only rank 0 publishes
+               else DiskWeights(run_dir / "weights", cfg.weights))
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}", cfg.launch.heartbeat_interval_s)
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
+    preempt = PreemptionFlag()
+
+    def wait() -> None:
+        preempt.check()
+        time.sleep(0.01)
+
     try:
-        train_loop(cfg, ctx, engine, feed, reporter, weights.publish, heartbeat=heartbeat)
+        start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights)
+        train_loop(cfg, ctx, engine, feed, reporter, weights.publish, wait=wait, heartbeat=heartbeat,
+                   checkpointer=checkpointer, start_version=start, preempt=preempt)
         if ctx.is_main:
             atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
             log.info("done: %d steps", cfg.trainer.total_steps)
+    except Preempted as e:
+        log.warning("preempted (%s): checkpoint committed, exiting for a restart", e)
+        if ctx.is_main:
+            request_slurm_requeue()
+        raise SystemExit(EXIT_REQUEUE) from None
     finally:
+        weights.close()
         if reporter:
             reporter.close()
         if runner:

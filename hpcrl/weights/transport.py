@@ -14,7 +14,9 @@ Lifecycle and ordering rules:
 :class:`DiskWeights` writes ``weights/v<N>/model.safetensors`` through a
 temporary directory renamed as a whole, then replaces ``weights/LATEST``
 (atomic rename). It keeps the last ``keep_last`` versions. A collective
-transport (NCCL/HCCL/gloo broadcast) implements the same Protocol.
+transport (``hpcrl/weights/collective.py``: NCCL/HCCL/gloo broadcast from
+trainer rank 0) implements the same Protocol; :func:`open_transport` picks
+one by ``weights.mode``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Literal, Mapping, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,6 +41,16 @@ class WeightTransport(Protocol):
     def latest_version(self) -> int: ...
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "member"]) -> WeightTransport:
+    """The transport ``weights.mode`` names: the trainer's rank 0 is the host, a rollout a member."""
+    if cfg.mode == "disk":
+        return DiskWeights(root, cfg)
+    from hpcrl.weights.collective import CollectiveWeights
+    return CollectiveWeights.host(root, cfg) if role == "host" else CollectiveWeights.member(root, cfg)
 
 
 def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,6 +94,9 @@ class DiskWeights:
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.version_dir(version) / "model.safetensors"))
+
+    def close(self) -> None:
+        """Nothing to release: every version is a file."""
 
     def _prune(self, newest: int) -> None:
         for old in sorted(self.root.glob("v*")):

@@ -1,0 +1,1 @@
+"""Trainer checkpoints: sharded (DCP), committed atomically, verified on load."""

@@ -1,0 +1,145 @@
+"""Save and restore the trainer's whole state with torch.distributed.checkpoint.
+
+What a checkpoint at step ``N`` holds (the state *after* N training steps,
+i.e. policy version N): the sharded model and optimizer state, and the
+critic with its optimizer when PPO uses one (DCP, so it
+reloads onto a different number of ranks), the LR-scheduler state, the RNG
+states of every rank (torch, numpy, python), the trainer's counters, and the
+config hash. The admission counters and spool position need no copy: they
+are the files in ``admission/`` and ``spool/trained/step_<v>/`` for v < N,
+which :func:`hpcrl.ckpt.reconcile.reconcile` brings back in line on resume.
+
+Every rank calls :meth:`Checkpointer.save` and :meth:`Checkpointer.restore`
+(both are collective).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpcrl import atomic
+from hpcrl.ckpt import store
+from hpcrl.ckpt.config import CheckpointConfig
+from hpcrl.launch.dist import DistContext
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def _dcp_state(engine) -> dict[str, Any]:
+    """The sharded state DCP saves: policy and optimizer, plus the critic and its optimizer (PPO)."""
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if getattr(engine, "critic", None) is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(engine.critic, engine.critic_optimizer)
+    return state
+
+
+class Checkpointer:
+    def __init__(self, root: Path, cfg: CheckpointConfig, ctx: DistContext, config_hash: str) -> None:
+        self.root, self.cfg, self.ctx, self.config_hash = root, cfg, ctx, config_hash
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._last_save = time.monotonic()
+
+    def has(self, step: int) -> bool:
+        """Whether a committed checkpoint of ``step`` exists already."""
+        return any(s == step for s, _ in store.committed(self.root))
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to save after ``step`` (the same answer on every rank)."""
+        c = self.cfg
+        want = (c.at_end and step == last_step) or (c.every_steps > 0 and step % c.every_steps == 0)
+        want = want or (c.every_seconds > 0 and time.monotonic() - self._last_save >= c.every_seconds)
+        if self.ctx.world_size > 1:
+            flag = torch.tensor([int(want)], device=self.ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            want = bool(flag.item())
+        return want
+
+    def save(self, engine, step: int, extra: dict[str, Any]) -> Path:
+        t0 = time.time()
+        tmp, final = self.root / f"step_{step:06d}.tmp", store.step_dir(self.root, step)
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
+        atomic.write_json(tmp / f"rng-r{self.ctx.rank}.json", rng_state())
+        self._barrier()
+        if self.ctx.is_main:
+            atomic.write_json(tmp / "trainer.json", {
+                "step": step, "world_size": self.ctx.world_size, "config_hash": self.config_hash,
+                "scheduler": engine.scheduler.state_dict(), "engine_version": engine.version,
+                "critic_scheduler": engine.critic_scheduler.state_dict() if engine.critic_scheduler else None,
+                "time": time.time(), **extra})
+            store.commit(tmp, final)
+            store.prune(self.root, self.cfg.keep_last, self.cfg.keep_every)
+            log.info("checkpoint step %d committed in %.2fs: %s", step, time.time() - t0, final)
+        self._barrier()
+        self._last_save = time.monotonic()
+        return final
+
+    def restore(self, engine) -> dict[str, Any] | None:
+        """Load the newest valid checkpoint into ``engine``; its trainer.json, or None if there is none."""
+        found = store.latest_valid(self.root) if self.ctx.is_main else None
+        box = [str(found[1]) if found else None]
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return None
+        path = Path(box[0])
+        state = _dcp_state(engine)
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        if engine.critic is not None:
+            set_state_dict(engine.critic, engine.critic_optimizer, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
+        meta = atomic.read_json(path / "trainer.json")
+        engine.scheduler.load_state_dict(meta["scheduler"])
+        engine.version = meta.get("engine_version", meta["step"])
+        if engine.critic_scheduler is not None and meta.get("critic_scheduler"):
+            engine.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        rng_file = path / f"rng-r{self.ctx.rank}.json"
+        if meta["world_size"] == self.ctx.world_size and rng_file.exists():
+            set_rng_state(atomic.read_json(rng_file))
+        else:
+            log.warning("checkpoint written by %d ranks, resuming on %d: RNG states not restored",
+                        meta["world_size"], self.ctx.world_size)
+        if meta.get("config_hash") != self.config_hash:
+            log.warning("config changed since checkpoint %s was written", path)
+        log.info("resumed from %s (version %d)", path, meta["step"])
+        return meta
+
+    def _barrier(self) -> None:
+        if self.ctx.world_size > 1:
+            dist.barrier()

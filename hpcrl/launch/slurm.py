@@ -1,0 +1,270 @@
+"""Slurm schedulers: each component its own job (submitit), or an srun step of one allocation.
+
+:class:`SlurmScheduler` (``launch.scheduler=slurm``, from a login node)
+submits each component through submitit as its own batch job, with the
+resources of ``launch.trainer`` / ``launch.rollout``. Inside the job,
+:class:`RunCommand` runs the component's command line once per task (the
+trainer's ranks are the job's tasks and bootstrap from ``SLURM_PROCID``),
+appending to the component's log in ``<run_dir>/logs/`` and forwarding
+SIGTERM/SIGINT/SIGUSR2 to it; its exit code is the job's result. Submitit's
+own files (sbatch script, stdout/stderr, pickles) are in
+``<run_dir>/logs/slurm/<job id>/``.
+
+Lifecycle of a job as the supervisor sees it: ``submit`` (an sbatch
+rejection raises :class:`SubmitRejected` naming the component and Slurm's
+message) -> ``poll`` returns None while it pends or runs; the states of all
+jobs are read with one ``sacct`` call at most every
+``launch.slurm_state_interval_s`` -> a COMPLETED job's exit code is its
+result; a job that ends otherwise (FAILED, CANCELLED, TIMEOUT, OUT_OF_MEMORY,
+NODE_FAIL, ...) or pends for a reason that never resolves (bad constraint,
+partition limits) returns a non-zero code, after a line stating the Slurm
+state is appended to the component's log (so the supervisor's error shows
+it) -> ``cancel`` is ``scancel``.
+
+:class:`SrunScheduler` (``launch.scheduler=srun``) is for the whole run in one
+heterogeneous allocation (``sbatch/run_async_ppo.sh``): each component is a
+local ``srun --het-group=G`` process (trainer: group 0, rollouts: group 1).
+
+Elastic rollout: ``python -m hpcrl.launch.slurm add-rollout --run-dir D
+--replica K`` submits one more rollout job to a running run (admission is
+global in the run directory, so it simply starts taking tickets); it is
+recorded in ``<run_dir>/jobs/rollout-K.json`` and exits by itself when the
+trainer writes ``DONE``. Stopping a replica is ``scancel``: its unfinished
+tickets are reclaimed like any dead rollout's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import submitit
+
+from hpcrl import atomic
+from hpcrl.launch.config import ResourcesConfig
+from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
+from hpcrl.launch.slurm_job import RunCommand, append_note
+
+log = logging.getLogger(__name__)
+
+# job states after which a job will never run again (sacct's first word of State)
+ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+               "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
+# pending reasons that no amount of waiting fixes
+HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
+                    "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
+                    "QOSNotAllowed", "PartitionDown", "PartitionInactive", "ReqNodeNotAvail, UnavailableNodes:"}
+
+
+def sbatch_options(res: ResourcesConfig, tasks: int) -> dict:
+    """submitit SlurmExecutor parameters for one component's job (``tasks`` processes in all)."""
+    per_node = res.tasks_per_node or max(1, tasks // res.nodes)
+    if per_node * res.nodes != tasks:
+        raise ValueError(f"tasks_per_node: {res.nodes} node(s) x {per_node} task(s) != the {tasks} process(es) "
+                         "this component needs (trainer.world_size for the trainer)")
+    params: dict = {"nodes": res.nodes, "ntasks_per_node": per_node, "cpus_per_task": res.cpus_per_task,
+                    "time": res.time_min, "signal_delay_s": 60, "stderr_to_stdout": True}
+    optional = {"gpus_per_node": res.gpus_per_node or None, "mem": res.mem, "partition": res.partition,
+                "account": res.account, "qos": res.qos, "constraint": res.constraint, "gres": res.gres,
+                "exclusive": True if res.exclusive else None}
+    params.update({k: v for k, v in optional.items() if v})
+    extra = {}
+    for line in res.extra_sbatch:
+        opt = line.removeprefix("#SBATCH").strip().removeprefix("--")
+        key, _, value = opt.partition("=")
+        extra[key] = value if value else True
+    if extra:
+        params["additional_parameters"] = extra
+    if res.setup:
+        params["setup"] = list(res.setup)
+    srun = container_args(res)
+    if srun:
+        params["srun_args"] = srun
+    return params
+
+
+def container_args(res: ResourcesConfig) -> list[str]:
+    if not res.container_image:
+        return []
+    args = [f"--container-image={res.container_image}"]
+    return args + ([f"--container-mounts={res.container_mounts}"] if res.container_mounts else [])
+
+
+class SlurmScheduler:
+    """Each component its own Slurm job, through submitit."""
+
+    def __init__(self, folder: Path, state_interval_s: float = 2.0) -> None:
+        self.folder, self.state_interval = Path(folder), state_interval_s
+        self._jobs: dict[str, tuple[submitit.Job, ComponentSpec]] = {}
+        self._states: dict[str, tuple[str, str]] = {}  # job id -> (state, reason)
+        self._read_at = 0.0
+        self._codes: dict[str, int] = {}
+
+    def executor(self, spec: ComponentSpec) -> submitit.SlurmExecutor:
+        """The submitit executor for ``spec``'s job (its sbatch script: :func:`render_sbatch`)."""
+        executor = submitit.SlurmExecutor(folder=self.folder / "%j")
+        try:
+            options = sbatch_options(spec.resources or ResourcesConfig(), spec.tasks)
+        except ValueError as e:
+            raise SubmitRejected(spec.name, f"launch.{spec.name.split('-')[0]}.{e}") from None
+        executor.update_parameters(job_name=f"hpcrl-{spec.name}", **options)
+        return executor
+
+    def submit(self, spec: ComponentSpec) -> str:
+        executor = self.executor(spec)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            job = executor.submit(RunCommand(spec.argv, spec.env, str(spec.log_path)))
+        except submitit.core.utils.FailedJobError as e:
+            raise SubmitRejected(spec.name, _slurm_message(str(e))) from None
+        self._jobs[job.job_id] = (job, spec)
+        log.info("submitted %s as Slurm job %s (%d task(s))", spec.name, job.job_id, spec.tasks)
+        return job.job_id
+
+    def poll(self, job_id: str) -> int | None:
+        if job_id in self._codes:
+            return self._codes[job_id]
+        job, spec = self._jobs[job_id]
+        if spec.tasks == 1 and job.paths.result_pickle.exists():
+            state, reason = "COMPLETED", ""
+        else:
+            state, reason = self._state(job_id)
+        code = self._code(job, spec, state, reason)
+        if code is not None:
+            self._codes[job_id] = code
+        return code
+
+    def _code(self, job: submitit.Job, spec: ComponentSpec, state: str, reason: str) -> int | None:
+        if state == "PENDING" and reason in HOPELESS_REASONS:
+            append_note(spec.log_path, f"Slurm job {job.job_id} can never start (pending, reason {reason}); "
+                                       "cancelling it")
+            self.cancel(job.job_id, signal.SIGKILL)
+            return 1
+        if state == "COMPLETED" or (state == "FAILED" and job.paths.result_pickle.exists()):
+            try:
+                codes = [c for c in job.results() if c is not None]
+            except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as e:
+                append_note(spec.log_path, f"Slurm job {job.job_id} ({state}): {str(e)[-2000:]}")
+                return 1
+            return next((c for c in codes if c != 0), 0)
+        if state in ENDED_BADLY:
+            append_note(spec.log_path, f"Slurm job {job.job_id} ended in state {state}"
+                                       f"{' (' + reason + ')' if reason and reason != 'None' else ''}; "
+                                       f"submitit log: {job.paths.stdout}")
+            return 1
+        return None
+
+    def _state(self, job_id: str) -> tuple[str, str]:
+        if time.time() - self._read_at >= self.state_interval or job_id not in self._states:
+            self._states.update(read_states(list(self._jobs)))
+            self._read_at = time.time()
+        return self._states.get(job_id, ("UNKNOWN", ""))
+
+    def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None:
+        if job_id in self._codes:
+            return
+        # a component that sees SIGTERM may ask for its own requeue (preemption handling): a job the
+        # supervisor stops must not come back, so it is made non-requeueable first
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], capture_output=True, timeout=60)
+        if sig == signal.SIGKILL:
+            cmd = ["scancel", job_id]
+        else:
+            cmd = ["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", job_id]
+        subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    def wait(self, job_id: str, timeout: float) -> int | None:
+        deadline = time.time() + timeout
+        while (code := self.poll(job_id)) is None and time.time() < deadline:
+            time.sleep(0.5)
+        return code
+
+
+def render_sbatch(spec: ComponentSpec, folder: Path) -> str:
+    """The sbatch script submitit writes for ``spec`` (the job's command shown as in the real file)."""
+    executor = SlurmScheduler(folder).executor(spec)
+    return executor._make_submission_file_text(executor._submitit_command_str, "render")
+
+
+def read_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """Job id -> (state, reason) from sacct (falls back to squeue while slurmdbd lags)."""
+    if not job_ids:
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    cmd = ["sacct", "-n", "-P", "-X", "-o", "JobID,State,Reason", "-j", ",".join(job_ids)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    for line in proc.stdout.splitlines():
+        jid, state, reason = (line.split("|") + ["", ""])[:3]
+        out[jid] = (state.split(" ")[0], reason)
+    missing = [j for j in job_ids if j not in out]
+    if missing:
+        cmd = ["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(missing)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        for line in proc.stdout.splitlines():
+            jid, state, reason = (line.split("|") + ["", ""])[:3]
+            out[jid] = (state, reason)
+    return out
+
+
+def _slurm_message(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()]
+    return " | ".join(lines) if lines else text.strip()[-1000:]
+
+
+class SrunScheduler(LocalScheduler):
+    """Inside one (heterogeneous) allocation: each component an ``srun`` step of its het group."""
+
+    def __init__(self, het_groups: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.het_groups = het_groups or {"trainer": 0, "rollout": 1}
+
+    def submit(self, spec: ComponentSpec) -> str:
+        res = spec.resources or ResourcesConfig()
+        kind = spec.name.split("-")[0]
+        srun = ["srun", f"--job-name=hpcrl-{spec.name}", f"--ntasks={spec.tasks}", "--exact",
+                f"--cpus-per-task={res.cpus_per_task}", "--kill-on-bad-exit=1", "--unbuffered",
+                f"--output={str(spec.log_path).replace('{rank}', '%t')}", "--open-mode=append"]
+        if kind in self.het_groups and os.environ.get("SLURM_HET_SIZE"):
+            srun.insert(1, f"--het-group={self.het_groups[kind]}")
+        if res.gpus_per_node:
+            srun.append(f"--gpus-per-node={res.gpus_per_node}")
+        return super().submit(ComponentSpec(spec.name, [*srun, *container_args(res), *spec.argv],
+                                            spec.log_path.with_name(f"{spec.name}.srun.log"), spec.env))
+
+
+def add_rollout(run_dir: Path, replica: int) -> str:
+    """Submit rollout replica ``replica`` to the running run in ``run_dir``; returns its job id."""
+    from hpcrl.config import load_saved  # the root config only at this entry point
+
+    run_dir = Path(run_dir).resolve()
+    cfg = load_saved(run_dir)
+    name = f"rollout-{replica}"
+    spec = ComponentSpec(name, python_module("hpcrl.rollout", "--run-dir", str(run_dir), "--replica", str(replica)),
+                         run_dir / "logs" / f"{name}.log", resources=cfg.launch.rollout)
+    job_id = SlurmScheduler(run_dir / "logs" / "slurm").submit(spec)
+    atomic.write_json(run_dir / "jobs" / f"{name}.json", {"job_id": job_id, "scheduler": "slurm", "argv": spec.argv})
+    return job_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.launch.slurm")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add = sub.add_parser("add-rollout", help="submit one more rollout replica to a running run")
+    add.add_argument("--run-dir", type=Path, required=True)
+    add.add_argument("--replica", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        log.info("rollout-%d is Slurm job %s", args.replica, add_rollout(args.run_dir, args.replica))
+    except SubmitRejected as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

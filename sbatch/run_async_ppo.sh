@@ -1,0 +1,48 @@
+#!/bin/bash
+# The whole hpcrl run inside ONE heterogeneous Slurm allocation.
+#
+#   sbatch sbatch/run_async_ppo.sh [key=value ...]
+#   HPCRL_CONFIG=configs/my.yaml HPCRL_RUN_DIR=/scratch/me/run1 sbatch sbatch/run_async_ppo.sh trainer.total_steps=500
+#
+# Het group 0 runs the trainer (one task per accelerator; its --ntasks
+# becomes trainer.world_size), het group 1 the rollout replicas (its
+# --ntasks becomes rollout.replicas). The supervisor (python -m hpcrl.submit with
+# launch.scheduler=srun) runs here, in the batch script, and starts each
+# component as `srun --het-group=N` step; the components meet in the run
+# directory. This script's own output goes to <run_dir>/logs/batch-<jobid>.log,
+# each component's to <run_dir>/logs/<component>.log.
+#
+# Environment (all optional):
+#   HPCRL_CONFIG     config YAML (default configs/quickstart.yaml)
+#   HPCRL_RUN_DIR    run directory (default runs/hpcrl-<jobid>)
+#   HPCRL_OVERRIDES  more key=value overrides, space separated
+#   HPCRL_PYTHON     the Python with hpcrl installed (default: python3 on PATH)
+# For a site's partition/account/GPUs, copy sbatch/template_site.sh.
+#
+# --- het group 0: trainer ---
+#SBATCH --job-name=hpcrl
+#SBATCH --output=hpcrl-%j.out
+#SBATCH --open-mode=append
+#SBATCH --time=60
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --mem-per-cpu=1000M
+#SBATCH hetjob
+# --- het group 1: rollout replicas ---
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --mem-per-cpu=1000M
+set -euo pipefail
+
+cd "${SLURM_SUBMIT_DIR:-.}"
+RUN_DIR=${HPCRL_RUN_DIR:-runs/hpcrl-${SLURM_JOB_ID}}
+mkdir -p "$RUN_DIR/logs"
+exec >>"$RUN_DIR/logs/batch-${SLURM_JOB_ID}.log" 2>&1
+echo "[batch] job ${SLURM_JOB_ID} on $(hostname): het groups ${SLURM_HET_SIZE:-1}, run dir $RUN_DIR"
+
+# shellcheck disable=SC2086  # HPCRL_OVERRIDES is a space-separated list on purpose
+"${HPCRL_PYTHON:-python3}" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \
+    launch.scheduler=srun "run_dir=$RUN_DIR" trainer.world_size="${SLURM_NTASKS_HET_GROUP_0:-1}" \
+    rollout.replicas="${SLURM_NTASKS_HET_GROUP_1:-1}" ${HPCRL_OVERRIDES:-} "$@"

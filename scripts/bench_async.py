@@ -1,0 +1,169 @@
+"""Synchronous vs asynchronous RL on the long-tailed reversal task, side by side in one run.
+
+    python scripts/bench_async.py --steps 60 --out bench/results.json
+
+Runs, one after another, on the same cores, config, seed, SFT warm start
+(cached) and number of trained samples (``--steps`` x B groups x G samples):
+
+* ``colocated_t1`` / ``colocated_t2``: one process alternates generation and
+  training, eta = 0 (synchronous RL), with 1 and with 2 torch threads;
+* ``disagg_eta0``: trainer and rollout as separate processes, eta = 0;
+* ``async_eta{1,2,4,8}``: eta >= 1, collective weight transport;
+* ``async_eta2_disk``: eta = 2 with disk weight transport (the fallback).
+
+For each run it reports trained samples/s and tokens/s and their ratio to
+``colocated_t1`` and to the better colocated run, busy fractions of the
+rollout engine and of the trainer, the share of trainer wall time spent
+publishing weights, the spool + admission overhead, and the staleness
+histogram of the trained tokens. Writes ``bench/results.json`` and
+``bench/results.png`` (needs the optional extra ``bench``: matplotlib).
+Extra ``key=value`` arguments go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ["data.synthetic=reverse", "rollout.max_new_tokens=26", "sft.target_accuracy=0.2", "eval.at_start=false",
+        "eval.every_steps=0", "eval.size=100"]
+MODES = {
+    "colocated_t1": ["launch.mode=colocated", "admission.max_staleness=0", "trainer.threads=1"],
+    "colocated_t2": ["launch.mode=colocated", "admission.max_staleness=0", "trainer.threads=2"],
+    "disagg_eta0": ["admission.max_staleness=0", "weights.mode=collective"],
+    "async_eta1": ["admission.max_staleness=1", "weights.mode=collective"],
+    "async_eta2": ["admission.max_staleness=2", "weights.mode=collective"],
+    "async_eta4": ["admission.max_staleness=4", "weights.mode=collective"],
+    "async_eta8": ["admission.max_staleness=8", "weights.mode=collective"],
+    "async_eta2_disk": ["admission.max_staleness=2", "weights.mode=disk"],
+}
+
+
+def run_mode(name: str, extra: list[str], steps: int, workdir: Path) -> Path:
+    run_dir = workdir / name
+    cmd = [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+           f"run_dir={run_dir}", f"trainer.total_steps={steps}", *TASK, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return run_dir
+
+
+def spool_scan(run_dir: Path) -> tuple[Counter, float, int]:
+    """Per-token staleness histogram of every trained file, and the time it takes to read them all."""
+    sys.path.insert(0, str(ROOT))
+    from hpcrl.spool.format import read_group
+
+    hist: Counter = Counter()
+    t0, n = time.perf_counter(), 0
+    for step_dir in sorted((run_dir / "spool" / "trained").glob("step_*")):
+        step = int(step_dir.name.split("_")[1])
+        for f in step_dir.glob("*.h5"):
+            g = read_group(f)
+            n += 1
+            for s in g.samples:
+                hist.update((step - s.versions).tolist())
+    return hist, time.perf_counter() - t0, n
+
+
+def analyse(run_dir: Path) -> dict:
+    records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in records if "time/step_s" in r]
+    loop = sum(r["time/step_s"] for r in steps)
+    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "train", "publish", "commit")}
+    samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
+    hist, read_s, n_files = spool_scan(run_dir)
+    out = {"steps": len(steps), "samples": samples, "tokens": tokens, "trainer_loop_s": loop,
+           "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
+           "trainer_busy": (tot["train"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
+           "commit_share": tot["commit"] / loop, "spool_read_share": read_s / loop, "spool_files": n_files,
+           "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+           "final_accuracy": next((r["eval/accuracy"] for r in reversed(records) if "eval/accuracy" in r), None),
+           "reward_mean": sum(r["reward/mean"] for r in steps) / len(steps)}
+    stats_file = run_dir / "logs" / "rollout-0.stats.json"
+    if stats_file.exists():
+        rs = json.loads(stats_file.read_text())
+        out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
+        out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
+        out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]
+        out["rollout_transfer"] = rs.get("transfer")
+    else:  # colocated: the process generates exactly while the trainer loop waits for its batch
+        out["rollout_busy"] = tot["wait"] / loop
+        out["rollout_admit_spool_share"] = None
+    out["spool_admission_share"] = out["commit_share"] + out["spool_read_share"]
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    axes[0].bar(names, [results[n]["ratio_samples"] for n in names])
+    axes[0].axhline(2.77, color="r", ls="--", label="2.77x target")
+    axes[0].set_ylabel("trained samples/s / colocated_t1")
+    axes[0].legend()
+    x = range(len(names))
+    axes[1].bar([i - 0.2 for i in x], [results[n]["trainer_busy"] for n in names], 0.4, label="trainer")
+    axes[1].bar([i + 0.2 for i in x], [results[n]["rollout_busy"] for n in names], 0.4, label="rollout")
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_ylabel("busy fraction")
+    axes[1].legend()
+    for n in names:
+        h = results[n]["staleness_hist"]
+        total = sum(h.values())
+        axes[2].plot([int(k) for k in h], [v / total for v in h.values()], marker="o", label=n)
+    axes[2].set_xlabel("token staleness (versions)")
+    axes[2].set_ylabel("fraction of trained tokens")
+    axes[2].legend(fontsize=7)
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    results, t_start = {}, time.time()
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
+        for name in args.modes.split(","):
+            t0 = time.time()
+            results[name] = analyse(run_mode(name, MODES[name] + args.overrides, args.steps, Path(tmp)))
+            r = results[name]
+            r["wall_s"] = time.time() - t0
+            print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
+                  f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
+                  f"  wall {r['wall_s']:.0f}s", flush=True)
+    colo = [results[n]["samples_per_s"] for n in ("colocated_t1", "colocated_t2") if n in results]
+    base, best_colo = (colo[0], max(colo)) if colo else (None, None)
+    base_tok = results.get("colocated_t1", {}).get("tokens_per_s")
+    for r in results.values():
+        r["ratio_samples"] = r["samples_per_s"] / base if base else None
+        r["ratio_samples_best_colocated"] = r["samples_per_s"] / best_colo if best_colo else None
+        r["ratio_tokens"] = r["tokens_per_s"] / base_tok if base_tok else None
+    meta = {"command": " ".join(sys.argv), "steps": args.steps, "task": TASK, "total_wall_s": time.time() - t_start}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+    plot(results, args.out.with_suffix(".png"))
+    print(json.dumps({k: round(v["ratio_samples"] or 0, 2) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Shared helpers of the tests against the real local Slurm cluster (scripts/slurm_cluster.sh)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START = "bash scripts/slurm_cluster.sh start"
+
+# the fast override set of tests/test_e2e.py (tiny model, no SFT)
+FAST = ["model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=2000", "data.n_eval=40",
+        "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4", "rollout.max_batch_size=8",
+        "rollout.max_new_tokens=4", "eval.every_steps=4", "eval.size=40", "launch.progress_interval_s=1"]
+
+
+def cluster_skip_reason() -> str | None:
+    """Why the Slurm tests cannot run here, or None when the two-node cluster with sacct is up."""
+    if shutil.which("sinfo") is None:
+        return f"sinfo not found: no Slurm here (start the test cluster with `{START}`)"
+    try:
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20)
+        acct = subprocess.run(["sacct", "-n", "-X", "-S", "now-1minutes"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return f"Slurm does not answer (start the test cluster with `{START}`)"
+    if nodes.returncode != 0:
+        return f"Slurm is not up: {nodes.stderr.strip()} (start it with `{START}`)"
+    up = [ln for ln in nodes.stdout.splitlines() if ln.split()[-1].rstrip("*") in ("idle", "mix", "alloc", "comp")]
+    if len(up) < 2:
+        return f"the Slurm test cluster needs 2 usable nodes, found: {nodes.stdout.strip()!r} (`{START}`)"
+    if acct.returncode != 0:
+        return f"sacct does not work (slurmdbd down?): {acct.stderr.strip()} (`{START}`)"
+    return None
+
+
+def job_env() -> dict[str, str]:
+    """The environment a run's jobs inherit (sbatch exports it): the repo importable, no hub access."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def run_args(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
+    return [f"run_dir={run_dir}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data", *FAST,
+            *overrides]
+
+
+def submit_cmd(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+            *run_args(run_dir, cache, "launch.scheduler=slurm", *overrides)]
+
+
+def sacct(*job_ids: str) -> dict[str, tuple[str, str, str]]:
+    """JobID -> (JobName, State, NodeList) for the jobs and their steps/het components."""
+    out = subprocess.run(["sacct", "-n", "-P", "-o", "JobID,JobName,State,NodeList", "-j", ",".join(job_ids)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    rows = [ln.split("|") for ln in out.splitlines() if ln]
+    return {r[0]: (r[1], r[2].split(" ")[0], r[3]) for r in rows}
+
+
+def wait_not_active(job_ids: list[str], timeout: float = 30.0) -> dict[str, str]:
+    """Wait until none of the jobs pends or runs; returns their final states."""
+    deadline = time.time() + timeout
+    while True:
+        states = {j: sacct(j).get(j, ("", "UNKNOWN", ""))[1] for j in job_ids}
+        if not any(s in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for s in states.values()):
+            return states
+        if time.time() > deadline:
+            return states
+        time.sleep(1)

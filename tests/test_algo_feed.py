@@ -1,0 +1,74 @@
+"""DAPO dynamic sampling through the real spool and admission ledger; overlong shaping in to_sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcrl.admission.config import AdmissionConfig
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.algo.config import AlgoConfig
+from hpcrl.spool.format import Sample, TrajectoryGroup
+from hpcrl.spool.store import Spool
+from hpcrl.trainer import batch as B
+from hpcrl.trainer.feed import BatchFeed
+
+
+def group(ticket: int, rewards: list[float], lengths: list[int] | None = None) -> TrajectoryGroup:
+    lengths = lengths or [3] * len(rewards)
+    samples = [Sample(response_ids=np.full(n, 5, np.int32), behav_logprobs=np.full(n, -1.0, np.float32),
+                      versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=r,
+                      finish_reason="stop") for r, n in zip(rewards, lengths)]
+    return TrajectoryGroup(ticket=ticket, writer="w", prompt_ids=np.array([7, 8], np.int32), samples=samples)
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_frees_admission(tmp_path) -> None:
+    spool = Spool(tmp_path / "spool")
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=2, max_staleness=0), 100)
+    for _ in range(2):
+        assert ledger.try_admit(0, "w") is not None
+    assert ledger.try_admit(0, "w") is None  # the bound (B = 2, eta = 0) is reached
+    for t, rewards in enumerate([[1.0, 1.0], [0.0, 1.0]]):
+        spool.publish(group(t, rewards))
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=0, timeout_s=5,
+                     keep=B.informative_filter(AlgoConfig(dynamic_sampling=True)))
+    admitted = []
+
+    def wait() -> None:  # the rollout's side: a freed slot is admitted and filled with an informative group
+        ticket = ledger.try_admit(0, "w")
+        if ticket is not None:
+            admitted.append(ticket)
+            spool.publish(group(2 + len(admitted) - 1, [0.0, 0.5]))
+
+    groups = feed.next_batch(0, wait)
+    assert sorted(g.ticket for g in groups) == [1, 2]
+    assert len(admitted) == 1 and feed.dropped["uniform"] == 1
+    assert ledger.dropped() == {0: "uniform"}
+    assert [e.ticket for e in spool.dropped()] == [0]
+    assert spool.reason(spool.dropped()[0])["reason"] == "uniform"
+
+
+def test_without_dynamic_sampling_uniform_groups_are_kept() -> None:
+    assert B.informative_filter(AlgoConfig()) is None
+
+
+def test_overlong_penalty_shapes_rewards_and_uniformity() -> None:
+    cfg = AlgoConfig(adv_estimator="dr_grpo", overlong_buffer=2, overlong_max_tokens=6)
+    # all correct, but two responses run into the buffer: no longer uniform after shaping
+    g = group(0, [1.0, 1.0, 1.0, 1.0], lengths=[3, 4, 5, 6])
+    assert B.shaped_rewards(g, cfg) == pytest.approx([1.0, 1.0, 0.5, 0.0])
+    seqs, n_uniform = B.to_sequences([g], cfg)
+    assert n_uniform == 0
+    assert [s.advantage for s in seqs] == pytest.approx([0.375, 0.375, -0.125, -0.625])
+    _, n_uniform = B.to_sequences([g], AlgoConfig(adv_estimator="dr_grpo"))
+    assert n_uniform == 1
+
+
+def test_batch_level_std_spans_all_groups() -> None:
+    cfg = AlgoConfig(adv_estimator="lite_ppo")
+    groups = [group(0, [0.0, 1.0]), group(1, [0.0, 0.0]), group(2, [1.0, 1.0]), group(3, [1.0, 0.0])]
+    seqs, n_uniform = B.to_sequences(groups, cfg)
+    assert n_uniform == 2
+    std = np.std([0.0, 1.0, 1.0, 0.0])  # the batch std of the kept groups' rewards
+    a = 0.5 / (std + 1e-6)
+    assert [s.advantage for s in seqs] == pytest.approx([-a, a, a, -a])

@@ -1,0 +1,223 @@
+"""Faithful resume: a trainer killed with SIGKILL and resumed from its checkpoint ends
+with the same parameters as one that never stopped (given the same spool input).
+
+The spool is filled by the test (no rollout), so both runs see the same
+trajectories: run A trains 6 steps straight; run B gets the first 4 steps'
+groups only, checkpoints at step 3, trains step 4, blocks waiting for data
+and is killed; then the rest of the groups arrive and a new trainer process
+resumes from step 3 (the step-4 batch goes back to ready and is trained
+again). Versions past the checkpoint are republished; nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl.audit import audit
+from hpcrl.ckpt import store
+from hpcrl.config import load_config, save
+from hpcrl.data.arithmetic import write_addition_dataset
+from hpcrl.launch.dist import free_port
+from hpcrl.launch.prepare import Prepared
+from hpcrl import atomic
+from hpcrl.metrics.writer import read_metrics
+from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
+from hpcrl.spool.format import Sample, TrajectoryGroup
+from hpcrl.spool.store import Spool
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+B, G, STEPS = 2, 4, 6
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("assets")
+    build_tiny_model(d / "model", TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
+                                                  head_dim=16, intermediate_size=64))
+    write_addition_dataset(d / "data", n_train=200, n_eval=10)
+    return d
+
+
+def make_run(run_dir: Path, assets: Path, world_size: int, extra: tuple[str, ...] = ()) -> None:
+    cfg = load_config(None, [
+        f"run_dir={run_dir}", f"model.path={assets / 'model'}", f"data.train_path={assets / 'data/train.jsonl'}",
+        f"data.eval_path={assets / 'data/eval.jsonl'}", f"admission.batch_size={B}", "admission.max_staleness=100",
+        f"rollout.group_size={G}", f"rollout.max_batch_size={G}", f"trainer.total_steps={STEPS}",
+        f"trainer.world_size={world_size}", "trainer.lr=1e-2", "trainer.warmup_steps=2",
+        "trainer.lr_schedule=cosine", "ckpt.every_steps=3", "eval.at_start=false", "eval.every_steps=0",
+        "eval.size=4", "rollout.max_new_tokens=2", *extra])
+    run_dir.mkdir(parents=True)
+    save(cfg, run_dir / "config.yaml")
+    atomic.write_json(run_dir / "prepared.json", Prepared(
+        init_model=str(assets / "model"), base_model=str(assets / "model"),
+        train_path=str(assets / "data/train.jsonl"), eval_path=str(assets / "data/eval.jsonl")).__dict__)
+    (run_dir / "admission" / "tickets").mkdir(parents=True)
+
+
+def feed_groups(run_dir: Path, tickets: range) -> None:
+    spool = Spool(run_dir / "spool")
+    for t in tickets:
+        rng = np.random.default_rng(t)
+        samples = []
+        for i in range(G):
+            n = int(rng.integers(1, 5))
+            samples.append(Sample(rng.integers(3, 40, n).astype(np.int32), (-rng.random(n)).astype(np.float32),
+                                  np.zeros(n, np.int32), np.ones(n, np.uint8), float(i % 2), "stop"))
+        spool.publish(TrajectoryGroup(ticket=t, writer="r0", prompt_ids=rng.integers(3, 40, 5).astype(np.int32),
+                                      samples=samples))
+        (run_dir / "admission" / "tickets" / f"t{t:09d}").write_text("{}")
+
+
+def start_trainer(run_dir: Path, world_size: int) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for r in range(world_size):
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        log = open(run_dir / f"trainer-r{r}.out", "ab")
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcrl.trainer", "--run-dir", str(run_dir)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], run_dir: Path, timeout: float = 180) -> None:
+    for p in procs:
+        assert p.wait(timeout) == 0, (run_dir / "trainer-r0.out").read_text()[-3000:]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "weights" / f"v{STEPS:06d}" / "model.safetensors"))
+
+
+def uninterrupted(run_dir: Path, assets: Path, world_size: int, extra: tuple[str, ...] = ()) -> dict:
+    make_run(run_dir, assets, world_size, extra)
+    feed_groups(run_dir, range(STEPS * B))
+    wait_all(start_trainer(run_dir, world_size), run_dir)
+    return final_weights(run_dir)
+
+
+def killed_and_resumed(run_dir: Path, assets: Path, world_size: int, resume_world_size: int,
+                       extra: tuple[str, ...] = ()) -> dict:
+    make_run(run_dir, assets, world_size, extra)
+    feed_groups(run_dir, range(4 * B))
+    procs = start_trainer(run_dir, world_size)
+    deadline = time.time() + 120
+    while not any(r.get("step") == 4 for r in read_metrics(run_dir / "logs/metrics.jsonl")):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "trainer did not reach step 4"
+        time.sleep(0.1)
+    time.sleep(0.5)  # now blocked waiting for the step-5 batch
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert [s for s, _ in store.committed(run_dir / "ckpt")] == [3]
+    assert (run_dir / "weights" / "LATEST").read_text().strip() == "4"  # version 4 is lost with the kill
+    if resume_world_size != world_size:
+        cfg = load_config(run_dir / "config.yaml")
+        save(replace(cfg, trainer=replace(cfg.trainer, world_size=resume_world_size)), run_dir / "config.yaml")
+    feed_groups(run_dir, range(4 * B, STEPS * B))
+    wait_all(start_trainer(run_dir, resume_world_size), run_dir)
+    return final_weights(run_dir)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_is_bit_identical(tmp_path, assets, world_size: int) -> None:
+    a = uninterrupted(tmp_path / "a", assets, world_size)
+    b = killed_and_resumed(tmp_path / "b", assets, world_size, world_size)
+    init = load_file(str(assets / "model" / "model.safetensors"))
+    assert any(not torch.equal(a[k], init[k]) for k in a if k in init)  # training did change the weights
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rep = audit(tmp_path / "b")
+    assert rep.ok and rep.trained_groups == STEPS * B, rep.violations  # each group trained exactly once
+
+
+def test_resume_two_ranks_onto_one(tmp_path, assets) -> None:
+    a = uninterrupted(tmp_path / "a", assets, 1)
+    b = killed_and_resumed(tmp_path / "b", assets, 2, 1)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, assets) -> None:
+    run = tmp_path / "c"
+    make_run(run, assets, 1)
+    feed_groups(run, range(STEPS * B))
+    wait_all(start_trainer(run, 1), run)
+    steps = [s for s, _ in store.committed(run / "ckpt")]
+    assert steps == [3, 6]
+    shard = next((run / "ckpt" / "step_000006").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated shard
+    assert store.verify(run / "ckpt" / "step_000006")
+    assert store.latest_valid(run / "ckpt")[0] == 3
+
+
+def test_ckpt_tools_to_hf_verify_prune(tmp_path, assets, capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_tools.__main__ import main as tools
+
+    run = tmp_path / "t"
+    make_run(run, assets, 2)
+    feed_groups(run, range(STEPS * B))
+    wait_all(start_trainer(run, 2), run)  # a checkpoint written by 2 ranks, converted by one process
+    ckpt = run / "ckpt" / "step_000006"
+    assert tools(["inspect", str(run), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["metadata"]["step"] == 6 and info["metadata"]["world_size"] == 2
+    assert tools(["to-hf", str(ckpt), str(tmp_path / "hf")]) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    trained = AutoModelForCausalLM.from_pretrained(assets / "model", local_files_only=True)
+    trained.load_state_dict(final_weights(run), strict=False)  # what the trainer published at version 6
+    ids = torch.tensor([[5, 9, 12, 7, 3, 22]])
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, trained(ids).logits)
+    assert tools(["verify", str(run / "ckpt")]) == 0
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-3])
+    assert tools(["verify", str(ckpt)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+    assert tools(["prune", str(run / "ckpt"), "--keep-last", "1"]) == 0
+    assert [s for s, _ in store.committed(run / "ckpt")] == [6]
+
+
+def test_preemption_signal_checkpoints_and_resumes_identically(tmp_path, assets) -> None:
+    a = uninterrupted(tmp_path / "a", assets, 2)
+    run = tmp_path / "p"
+    make_run(run, assets, 2)
+    feed_groups(run, range(4 * B))
+    procs = start_trainer(run, 2)
+    deadline = time.time() + 120
+    while not any(r.get("step") == 4 for r in read_metrics(run / "logs/metrics.jsonl")):
+        assert time.time() < deadline, "trainer did not reach step 4"
+        time.sleep(0.1)
+    time.sleep(0.5)  # waiting for the step-5 batch
+    for p in procs:
+        p.send_signal(signal.SIGUSR2)  # what Slurm sends before the time limit
+    assert [p.wait(60) for p in procs] == [75, 75]
+    assert [s for s, _ in store.committed(run / "ckpt")] == [3, 4]  # checkpointed at the signal
+    feed_groups(run, range(4 * B, STEPS * B))
+    wait_all(start_trainer(run, 2), run)
+    b = final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_a_critic_is_bit_identical(tmp_path, assets) -> None:
+    ppo = ("algo.adv_estimator=gae", "algo.drop_uniform_groups=false", "algo.critic_lr=1e-2")
+    a = uninterrupted(tmp_path / "a", assets, 1, ppo)
+    b = killed_and_resumed(tmp_path / "b", assets, 1, 1, ppo)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,71 @@
+"""Golden files of the sbatch scripts generated for each component's Slurm job, and resource checks.
+
+No cluster needed: the scripts are rendered exactly as ``SlurmScheduler``
+submits them (through submitit). Regenerate after an intended change with
+``HPCRL_UPDATE_GOLDEN=1 pytest tests/test_slurm_scripts.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("submitit")
+
+from hpcrl.launch.config import ResourcesConfig  # noqa: E402
+from hpcrl.launch.scheduler import ComponentSpec, SubmitRejected  # noqa: E402
+from hpcrl.launch.slurm import SlurmScheduler, render_sbatch  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+GOLDEN = Path(__file__).parent / "golden"
+RUN = Path("/RUN")
+
+
+def site_resources() -> ResourcesConfig:
+    return ResourcesConfig(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="200G", time_min=240,
+                           partition="gpu", account="proj123", qos="normal", constraint="a100", gres="gpu:4",
+                           exclusive=True, extra_sbatch=["--reservation=rl", "#SBATCH --requeue"],
+                           setup=["module load cuda/12.4", "source /opt/venv/bin/activate"],
+                           container_image="nvcr.io/nvidia/pytorch:24.05-py3", container_mounts="/scratch:/scratch")
+
+
+def specs() -> dict[str, ComponentSpec]:
+    argv = ["python", "-m", "hpcrl.trainer", "--run-dir", str(RUN)]
+    return {
+        "trainer_site": ComponentSpec("trainer", argv, RUN / "logs/trainer-r{rank}.log", resources=site_resources(),
+                                      tasks=8),
+        "rollout_default": ComponentSpec("rollout-0", argv, RUN / "logs/rollout-0.log", resources=ResourcesConfig()),
+    }
+
+
+@pytest.mark.parametrize("name", ["trainer_site", "rollout_default"])
+def test_generated_sbatch_script_matches_golden(name: str) -> None:
+    text = render_sbatch(specs()[name], RUN / "logs/slurm").replace(sys.executable, "PYTHON")
+    path = GOLDEN / f"slurm_{name}.sbatch"
+    if os.environ.get("HPCRL_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_task_layout_that_does_not_match_the_trainer_ranks_is_rejected_naming_the_key() -> None:
+    spec = ComponentSpec("trainer", ["python"], RUN / "t.log", resources=ResourcesConfig(nodes=2, tasks_per_node=2),
+                         tasks=2)
+    with pytest.raises(SubmitRejected, match=r"trainer: .*launch\.trainer\.tasks_per_node: 2 node\(s\) x 2"):
+        SlurmScheduler(RUN).executor(spec)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("launch.rollout.extra_sbatch=[reservation=x]", "launch.rollout.extra_sbatch: expected options like"),
+    ("launch.trainer.mem=4X", "launch.trainer.mem: expected a size"),
+    ("launch.trainer.container_mounts=/a:/a", "launch.trainer.container_mounts: set container_image"),
+    ("launch.scheduler=pbs", "launch.scheduler: 'pbs' is not allowed; choose one of 'local', 'slurm', 'srun'"),
+])
+def test_bad_resources_config_names_the_key(override: str, message: str) -> None:
+    from hpcrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
