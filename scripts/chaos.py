@@ -2,9 +2,10 @@
 
     python scripts/chaos.py --kills 20 --steps 40 --out bench/chaos.json
 
-Starts ``python -m hpcrl.submit`` (local scheduler, tiny model, no SFT), then
-kills a randomly chosen component (trainer or a rollout replica, whole
-process group, SIGKILL) at random moments. Some kills are aimed: the chaos
+Starts ``python -m hpcrl.submit`` (local scheduler by default, or
+``launch.scheduler=slurm``; tiny model, no SFT), then kills a randomly chosen
+component (trainer or a rollout replica: its whole process group, or
+``scancel --signal=KILL --full`` of its Slurm job) at random moments. Some kills are aimed: the chaos
 loop watches for a checkpoint being written (``ckpt/step_*.tmp``), a weight
 version being published (``weights/v*.tmp.*``) or a spool file being written
 (``spool/tmp/*``) and kills the writer right then. The watchdog must
@@ -51,8 +52,12 @@ def kill(run_dir: Path, prefix: str) -> str | None:
     if not names:
         return None
     name = random.choice(names)
+    entry = registry(run_dir)[name]
+    if entry.get("scheduler", "local") != "local":  # a Slurm job: SIGKILL to every process of it
+        done = subprocess.run(["scancel", "--signal=KILL", "--full", str(entry["job_id"])], capture_output=True)
+        return name if done.returncode == 0 else None
     try:
-        os.killpg(int(registry(run_dir)[name]["job_id"]), signal.SIGKILL)
+        os.killpg(int(entry["job_id"]), signal.SIGKILL)
     except (ProcessLookupError, PermissionError, ValueError):
         return None
     return name

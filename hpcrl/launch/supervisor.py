@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 
 
 def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    """Every component of the run. The watchdog restarts them, so none asks Slurm to requeue itself
+    (a self-requeued job beside the watchdog's resubmission would be a second trainer)."""
+    specs = _specs(cfg, run_dir)
+    for spec in specs:
+        spec.env["HPCRL_SLURM_REQUEUE"] = "0"
+    return specs
+
+
+def _specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     logs = run_dir / "logs"
     rd = ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
