@@ -1,5 +1,9 @@
 """Start a run: ``python -m hpcrl.submit --config configs/X.yaml [key=value ...]``.
 
+``python -m hpcrl.submit --resume <run_dir>`` continues a stopped or crashed
+run with its frozen config: preparation is skipped when done, the trainer
+resumes from its newest valid checkpoint and the rollouts from the ledger.
+
 Order: load and validate the config (any error names its key and exits 2
 before anything is created) -> create the run directory and freeze the
 resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
@@ -19,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl import atomic
-from hpcrl.config import ConfigError, RunConfig, load_config, save
+from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
 from hpcrl.launch.logs import setup_logging
 from hpcrl.launch.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
@@ -37,6 +41,17 @@ def create_run_dir(cfg: RunConfig) -> RunConfig:
     cfg = replace(cfg, run_dir=str(run_dir))
     save(cfg, run_dir / "config.yaml")
     return cfg
+
+
+def open_resumed(run_dir: Path, overrides: list[str]) -> RunConfig:
+    """The frozen config of an existing run; the trainer resumes from its newest valid checkpoint by itself."""
+    if overrides:
+        raise ConfigError("--resume continues a run with its frozen config.yaml; overrides are not allowed")
+    run_dir = run_dir.expanduser().resolve()
+    cfg = load_saved(run_dir)
+    if (run_dir / "DONE").exists():
+        raise ConfigError(f"run_dir: {run_dir} has finished (DONE is there); nothing to resume")
+    return replace(cfg, run_dir=str(run_dir))
 
 
 def summarize(run_dir: Path, started: float) -> dict:
@@ -71,23 +86,30 @@ def report(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.submit", description="Start an hpcrl run.")
     parser.add_argument("--config", type=Path, help="YAML config (see configs/)")
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped or crashed run")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
     args = parser.parse_args(argv)
     setup_logging("submit")
     started = time.time()
     try:
-        cfg = create_run_dir(load_config(args.config, args.overrides))
+        cfg = open_resumed(args.resume, args.overrides) if args.resume else \
+            create_run_dir(load_config(args.config, args.overrides))
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2
     run_dir = Path(cfg.run_dir)
-    log.info("run directory: %s", run_dir)
+    log.info("run directory: %s%s", run_dir, " (resumed)" if args.resume else "")
     try:
-        prepare(cfg, run_dir)
+        if not (run_dir / "prepared.json").exists():
+            prepare(cfg, run_dir)
         supervise(cfg, run_dir)
     except ComponentFailed as e:
         log.error("%s", e)
         return 1
+    except KeyboardInterrupt:
+        log.warning("stopped; every component was stopped. Continue with: python -m hpcrl.submit --resume %s",
+                    run_dir)
+        return 130
     except ValueError as e:
         log.error("%s", e)
         return 2

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,12 +32,16 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def submit(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    args = [f"run_dir={run_dir}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
+def submit_args(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
+    return [f"run_dir={run_dir}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
             "model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=2000", "data.n_eval=40",
             "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4", "rollout.max_batch_size=8",
             "rollout.max_new_tokens=4", "trainer.total_steps=8", "eval.every_steps=4", "eval.size=40",
             "launch.progress_interval_s=1", *overrides]
+
+
+def submit(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    args = submit_args(run_dir, cache, *overrides)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
                            *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -108,3 +114,29 @@ def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:
     for job in registry.values():
         status = Path(f"/proc/{job['job_id']}/status")
         assert not status.exists() or "State:\tZ" in status.read_text()  # nothing left running
+
+
+def test_resume_a_stopped_run(tmp_path, cache) -> None:
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+                             *submit_args(run, cache, "trainer.total_steps=400", "ckpt.every_steps=20",
+                                          "eval.every_steps=0")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 60 for r in read_metrics(run / "logs/metrics.jsonl")):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # the user stops the supervisor (Ctrl-C): every component goes down
+    proc.wait(60)
+    assert not (run / "DONE").exists()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run), "trainer.lr=1"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "overrides are not allowed" in bad.stderr
+    done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in (run / "logs" / "trainer-r0.log").read_text()
+    rep = audit(run)
+    assert rep.ok and rep.steps == 400 and rep.unfinished == 0, rep.violations
