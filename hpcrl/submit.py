@@ -3,6 +3,9 @@
 ``python -m hpcrl.submit --resume <run_dir>`` continues a stopped or crashed
 run with its frozen config: preparation is skipped when done, the trainer
 resumes from its newest valid checkpoint and the rollouts from the ledger.
+On SIGUSR2/SIGTERM (walltime or preemption of the job it runs in) every
+component checkpoints and stops; inside a requeueable Slurm job the job is
+requeued (``sbatch/run_async_ppo.sh`` then resumes), and the exit code is 75.
 
 Order: load and validate the config (any error names its key and exits 2
 before anything is created) -> create the run directory and freeze the
@@ -10,7 +13,7 @@ resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
 (``prepared.json``) -> start and supervise the components -> print a summary
 (initial and final held-out accuracy, wall time, throughput) and write it to
 ``<run_dir>/summary.json``. Exit 0 when the run completed, 1 when a component
-failed, 2 on a bad config.
+failed, 2 on a bad config, 75 when stopped by a signal (resume it).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
 from hpcrl.launch.logs import setup_logging
+from hpcrl.launch.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
 from hpcrl.launch.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
-from hpcrl.launch.supervisor import supervise
+from hpcrl.launch.supervisor import RunPreempted, supervise
 from hpcrl.metrics.writer import read_metrics
 
 log = logging.getLogger("hpcrl.submit")
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("submit")
     started = time.time()
+    preempt = PreemptionFlag()  # before anything slow: Slurm may signal a short job within seconds
     try:
         cfg = open_resumed(args.resume, args.overrides) if args.resume else \
             create_run_dir(load_config(args.config, args.overrides))
@@ -102,10 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (run_dir / "prepared.json").exists():
             prepare(cfg, run_dir)
-        supervise(cfg, run_dir)
+        supervise(cfg, run_dir, preempt=preempt)
     except ComponentFailed as e:
         log.error("%s", e)
         return 1
+    except RunPreempted as e:
+        if request_slurm_requeue():
+            log.warning("%s; Slurm requeues this job and it resumes %s", e, run_dir)
+        else:
+            log.warning("%s. Continue with: python -m hpcrl.submit --resume %s", e, run_dir)
+        return EXIT_REQUEUE
     except KeyboardInterrupt:
         log.warning("stopped; every component was stopped. Continue with: python -m hpcrl.submit --resume %s",
                     run_dir)

@@ -12,6 +12,14 @@
 # directory. This script's own output goes to <run_dir>/logs/batch-<jobid>.log,
 # each component's to <run_dir>/logs/<component>.log.
 #
+# Walltime and preemption: Slurm sends SIGUSR2 to the supervisor 120 s before
+# the time limit (--signal=B:USR2@120; SIGTERM on preemption does the same):
+# every component checkpoints and stops, the supervisor requeues this job
+# (--requeue) and exits 75. The requeued job (same job id, same run
+# directory) finds config.yaml there and continues with `--resume`, so a run
+# longer than the walltime needs no babysitting. Raise the 120 s for models
+# whose checkpoint takes longer.
+#
 # Environment (all optional):
 #   HPCRL_CONFIG     config YAML (default configs/quickstart.yaml)
 #   HPCRL_RUN_DIR    run directory (default runs/hpcrl-<jobid>)
@@ -24,6 +32,8 @@
 #SBATCH --output=hpcrl-%j.out
 #SBATCH --open-mode=append
 #SBATCH --time=60
+#SBATCH --signal=B:USR2@120
+#SBATCH --requeue
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --cpus-per-task=1
@@ -40,9 +50,14 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 RUN_DIR=${HPCRL_RUN_DIR:-runs/hpcrl-${SLURM_JOB_ID}}
 mkdir -p "$RUN_DIR/logs"
 exec >>"$RUN_DIR/logs/batch-${SLURM_JOB_ID}.log" 2>&1
-echo "[batch] job ${SLURM_JOB_ID} on $(hostname): het groups ${SLURM_HET_SIZE:-1}, run dir $RUN_DIR"
+echo "[batch] job ${SLURM_JOB_ID} on $(hostname): het groups ${SLURM_HET_SIZE:-1}, run dir $RUN_DIR," \
+     "restart ${SLURM_RESTART_COUNT:-0}"
 
+# exec: the supervisor is the batch process itself, so --signal=B:USR2 reaches it
+if [[ -f "$RUN_DIR/config.yaml" ]]; then  # requeued after walltime/preemption: continue the run
+    exec "${HPCRL_PYTHON:-python3}" -m hpcrl.submit --resume "$RUN_DIR"
+fi
 # shellcheck disable=SC2086  # HPCRL_OVERRIDES is a space-separated list on purpose
-"${HPCRL_PYTHON:-python3}" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \
+exec "${HPCRL_PYTHON:-python3}" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \
     launch.scheduler=srun "run_dir=$RUN_DIR" trainer.world_size="${SLURM_NTASKS_HET_GROUP_0:-1}" \
     rollout.replicas="${SLURM_NTASKS_HET_GROUP_1:-1}" ${HPCRL_OVERRIDES:-} "$@"

@@ -9,6 +9,9 @@
 # Het group 0 is the trainer: --ntasks-per-node = <GPUS> (one rank per device),
 #   nodes x tasks = trainer.world_size. Het group 1 holds the rollout replicas,
 #   one task per replica (rollout.replicas), each with its own devices.
+# Walltime/preemption: SIGUSR2 reaches the supervisor <SIGNAL_S> s before the limit
+#   (pick it above one checkpoint's duration); every component checkpoints, the job
+#   requeues itself and the restarted job continues the run with --resume.
 # Ascend: replace --gpus-per-node by your site's gres (e.g. --gres=npu:8) and
 #   load CANN (source /usr/local/Ascend/ascend-toolkit/set_env.sh) in the setup lines.
 #
@@ -17,6 +20,8 @@
 #SBATCH --output=hpcrl-%j.out
 #SBATCH --open-mode=append
 #SBATCH --time=<HOURS>:00:00
+#SBATCH --signal=B:USR2@<SIGNAL_S>
+#SBATCH --requeue
 #SBATCH --partition=<PARTITION>
 #SBATCH --account=<ACCOUNT>
 #SBATCH --nodes=1
@@ -44,8 +49,12 @@ RUN_DIR=${HPCRL_RUN_DIR:-runs/hpcrl-${SLURM_JOB_ID}}
 mkdir -p "$RUN_DIR/logs"
 exec >>"$RUN_DIR/logs/batch-${SLURM_JOB_ID}.log" 2>&1
 
+# exec: the supervisor is the batch process, so --signal=B:USR2 reaches it
+if [[ -f "$RUN_DIR/config.yaml" ]]; then  # requeued after walltime/preemption: continue the run
+    exec python -m hpcrl.submit --resume "$RUN_DIR"
+fi
 # trainer.world_size must equal het group 0's tasks; rollout.replicas group 1's tasks.
 # shellcheck disable=SC2086
-python -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" launch.scheduler=srun \
+exec python -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" launch.scheduler=srun \
     "run_dir=$RUN_DIR" trainer.world_size="${SLURM_NTASKS_HET_GROUP_0:-1}" \
     rollout.replicas="${SLURM_NTASKS_HET_GROUP_1:-1}" ${HPCRL_OVERRIDES:-} "$@"

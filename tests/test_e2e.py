@@ -116,20 +116,33 @@ def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:
         assert not status.exists() or "State:\tZ" in status.read_text()  # nothing left running
 
 
-def test_resume_a_stopped_run(tmp_path, cache) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR2])
+def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
+    """Ctrl-C kills every component; SIGUSR2 (walltime of the supervisor's job) makes every component
+    checkpoint and stop first (exit 75). Either way ``--resume`` finishes the run, exactly once."""
     run = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
-                             *submit_args(run, cache, "trainer.total_steps=400", "ckpt.every_steps=20",
+                             *submit_args(run, cache, "trainer.total_steps=400",
+                                          # SIGUSR2 must checkpoint by itself; Ctrl-C resumes from a periodic one
+                                          f"ckpt.every_steps={1000 if sig == signal.SIGUSR2 else 20}",
                                           "eval.every_steps=0")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     deadline = time.time() + 120
     while not any(r.get("step", 0) >= 60 for r in read_metrics(run / "logs/metrics.jsonl")):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)  # the user stops the supervisor (Ctrl-C): every component goes down
-    proc.wait(60)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
     assert not (run / "DONE").exists()
+    assert not Spool(run / "spool").dropped()  # nothing given up: the run was not closed, only stopped
+    if sig == signal.SIGUSR2:
+        assert proc.returncode == 75 and f"--resume {run}" in err, err[-3000:]
+        stopped_at = max(r["step"] for r in read_metrics(run / "logs/metrics.jsonl") if "step" in r)
+        assert (run / "ckpt" / f"step_{stopped_at:06d}").is_dir()  # checkpointed where it stopped
+        assert "stopped (exit 75)" in err
+    else:
+        assert proc.returncode == 130
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     bad = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run), "trainer.lr=1"],
                          capture_output=True, text=True, env=env, cwd=ROOT)
@@ -137,6 +150,7 @@ def test_resume_a_stopped_run(tmp_path, cache) -> None:
     done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
                           text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in (run / "logs" / "trainer-r0.log").read_text()
+    resumed = [ln for ln in (run / "logs" / "trainer-r0.log").read_text().splitlines() if "resumed from" in ln]
+    assert resumed and (sig != signal.SIGUSR2 or f"step_{stopped_at:06d}" in resumed[0]), resumed
     rep = audit(run)
     assert rep.ok and rep.steps == 400 and rep.unfinished == 0, rep.violations

@@ -1,16 +1,18 @@
 """On the real local Slurm cluster: ``scancel`` of the rollout job and of the trainer job during
-a run are each followed by a resubmission by the watchdog, and the run completes with its
-invariants intact (audit from the run directory)."""
+a run are each followed by a resubmission by the watchdog, jobs that reach their Slurm time
+limit (component jobs, and the whole heterogeneous allocation) checkpoint, come back and
+finish, and every run completes with its invariants intact (audit from the run directory)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, submit_cmd
+from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -79,3 +81,68 @@ def test_chaos_on_slurm(tmp_path) -> None:
     assert report["exit_code"] == 0 and report["violations"] == []
     assert sum(report["kills"].values()) >= 6 and report["restarts"] >= 6
     assert report["steps"] == 300 and report["unfinished"] == 0 and report["quarantined"] == 0
+
+
+def events_of(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
+
+
+def log_lines(path: Path, needle: str) -> list[str]:
+    return [ln for ln in path.read_text(errors="replace").splitlines() if needle in ln]
+
+
+# Slurm checks time limits every 30 s and sends the warning signal once end < now + N + 30: with
+# --time=2 and USR2@30 it comes 60-90 s after the start and the kill at >= 120 s, so a component
+# always has >= 30 s to checkpoint and exit. The runs below need well over 90 s.
+WALLTIME = ["launch.trainer.time_min=2", "launch.trainer.signal_s=30", "launch.rollout.time_min=2",
+            "launch.rollout.signal_s=30"]
+STEPS = 3000  # ~140 s at the ~21 steps/s measured here: the 60-90 s signal always comes first
+
+
+def test_component_jobs_reaching_their_time_limit_checkpoint_and_are_resubmitted(tmp_path) -> None:
+    """Each component is a 1-minute Slurm job (USR2 40 s before the end): the run outlives every job."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "ckpt.every_steps=100", "eval.every_steps=0",
+                     "watchdog.backoff_s=0.5", "launch.preempt_grace_s=20", *WALLTIME)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=job_env(),
+                          cwd=ROOT, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    restarts = [e for e in events_of(run) if e["action"] == "restart"]
+    walltime = {e["component"] for e in restarts if "preemption/requeue (exit 75)" in e["reason"]}
+    assert {"trainer", "rollout-0"} <= walltime, restarts
+    trainer_log = run / "logs" / "trainer-r0.log"
+    stopped = log_lines(trainer_log, "exiting for a restart")  # one per signalled trainer job
+    assert stopped and len(log_lines(trainer_log, "resumed from")) >= len(stopped), trainer_log.read_text()[-3000:]
+    # the signalled jobs ended by themselves before the limit: none was killed in state TIMEOUT
+    states = sacct(*{e["job_id"] for e in restarts})
+    assert {s for _, s, _ in states.values()} <= {"COMPLETED"}, states
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == STEPS and rep.unfinished == 0
+
+
+def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path) -> None:
+    """``sbatch --time=2 --signal=B:USR2@30 sbatch/run_async_ppo.sh``: the supervisor stops every
+    component at a checkpoint, requeues the job, and the requeued job resumes the run to the end."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    env = {**job_env(), "HPCRL_PYTHON": sys.executable, "HPCRL_RUN_DIR": str(run),
+           "HPCRL_OVERRIDES": " ".join(run_args(run, cache, "ckpt.every_steps=100", "eval.every_steps=0",
+                                                "launch.preempt_grace_s=20")[1:])}
+    sub = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR2@30", f"--output={tmp_path}/b-%j.out",
+                          str(ROOT / "sbatch/run_async_ppo.sh"), f"trainer.total_steps={STEPS}"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.time() + 700
+    while sacct(job).get(f"{job}+0", ("", "PENDING", ""))[1] in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
+        assert time.time() < deadline, f"job {job} still active after 700 s"
+        time.sleep(2)
+    batch_log = (run / "logs" / f"batch-{job}.log").read_text(errors="replace")
+    assert sacct(job)[f"{job}+0"][1] == "COMPLETED", batch_log[-4000:]
+    assert "restart 1" in batch_log and "Slurm requeues this job" in batch_log, batch_log[-4000:]
+    assert (run / "DONE").exists()
+    trainer_log = run / "logs" / "trainer-r0.log"
+    assert log_lines(trainer_log, "received SIGUSR2") and log_lines(trainer_log, "resumed from")
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == STEPS and rep.unfinished == 0

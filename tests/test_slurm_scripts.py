@@ -26,7 +26,7 @@ RUN = Path("/RUN")
 
 
 def site_resources() -> ResourcesConfig:
-    return ResourcesConfig(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="200G", time_min=240,
+    return ResourcesConfig(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="200G", time_min=240, signal_s=300,
                            partition="gpu", account="proj123", qos="normal", constraint="a100", gres="gpu:4",
                            exclusive=True, extra_sbatch=["--reservation=rl", "#SBATCH --requeue"],
                            setup=["module load cuda/12.4", "source /opt/venv/bin/activate"],
@@ -61,6 +61,8 @@ def test_task_layout_that_does_not_match_the_trainer_ranks_is_rejected_naming_th
 @pytest.mark.parametrize("override, message", [
     ("launch.rollout.extra_sbatch=[reservation=x]", "launch.rollout.extra_sbatch: expected options like"),
     ("launch.trainer.mem=4X", "launch.trainer.mem: expected a size"),
+    ("launch.rollout.signal_s=3600", "launch.rollout.signal_s: must be between 1 and time_min*60-1 = 3599"),
+    ("launch.preempt_grace_s=0", "launch.preempt_grace_s: must be > 0"),
     ("launch.trainer.container_mounts=/a:/a", "launch.trainer.container_mounts: set container_image"),
     ("launch.scheduler=pbs", "launch.scheduler: 'pbs' is not allowed; choose one of 'local', 'slurm', 'srun'"),
 ])

@@ -19,6 +19,7 @@ class ResourcesConfig:
     cpus_per_task: int = 1  # --cpus-per-task
     mem: str = ""  # memory per node, e.g. "16G" (--mem); "" = the cluster's default
     time_min: int = 60  # wall-clock limit in minutes (--time)
+    signal_s: int = 60  # Slurm sends SIGUSR2 this many seconds before time_min (--signal=USR2@N): checkpoint, restart
     partition: str = ""  # --partition; "" = the cluster's default partition
     account: str = ""  # --account; "" = the user's default account
     qos: str = ""  # --qos; "" = default
@@ -34,6 +35,9 @@ class ResourcesConfig:
         for name in ("nodes", "cpus_per_task", "time_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.signal_s < 60 * self.time_min:
+            raise ValueError(f"signal_s: must be between 1 and time_min*60-1 = {60 * self.time_min - 1} seconds "
+                             f"(Slurm may send it up to 30 s early), got {self.signal_s}")
         for name in ("tasks_per_node", "gpus_per_node"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -54,6 +58,7 @@ class LaunchConfig:
     mode: Literal["async", "colocated"] = "async"  # async: separate trainer and rollout processes; colocated: one process alternates
     progress_interval_s: float = 5.0  # seconds between progress lines on the terminal
     shutdown_timeout_s: float = 30.0  # grace period for components to exit after the run ends
+    preempt_grace_s: float = 120.0  # after SIGUSR2/SIGTERM to the supervisor: time for components to checkpoint and exit
     heartbeat_interval_s: float = 5.0  # how often each component process writes its heartbeat
     trainer: ResourcesConfig = field(default_factory=ResourcesConfig)  # the trainer job's resources (slurm/srun)
     rollout: ResourcesConfig = field(default_factory=ResourcesConfig)  # each rollout job's resources (slurm/srun)
@@ -64,6 +69,8 @@ class LaunchConfig:
             raise ValueError(f"progress_interval_s: must be > 0, got {self.progress_interval_s}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"shutdown_timeout_s: must be > 0, got {self.shutdown_timeout_s}")
+        if self.preempt_grace_s <= 0:
+            raise ValueError(f"preempt_grace_s: must be > 0, got {self.preempt_grace_s}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be > 0, got {self.heartbeat_interval_s}")
         if self.slurm_state_interval_s <= 0:

@@ -9,8 +9,16 @@ unfinished tickets back to the ledger and exits 0.
 
 :data:`EXIT_REQUEUE` (75, ``EX_TEMPFAIL``) tells the supervisor "stopped on
 purpose, start me again": it restarts the component without charging its
-failure budget. Under Slurm the component also asks for its own requeue
-(``scontrol requeue $SLURM_JOB_ID``) when the job was submitted requeueable.
+failure budget. A component under a supervisor never asks Slurm for its own
+requeue (``HPCRL_SLURM_REQUEUE=0``: the watchdog resubmits it); one started
+alone does (``scontrol requeue $SLURM_JOB_ID``) when the job is requeueable.
+
+The supervisor itself reacts to the same signals (its own job's walltime, or
+preemption of the allocation that holds the whole run): it forwards SIGUSR2
+to every component, waits for them to checkpoint and exit, asks Slurm to
+requeue its job and exits with :data:`EXIT_REQUEUE`; the requeued job
+continues with ``python -m hpcrl.submit --resume`` (see
+``sbatch/run_async_ppo.sh``).
 """
 
 from __future__ import annotations
@@ -31,13 +39,19 @@ class Preempted(Exception):
 class PreemptionFlag:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
         self.signum: int | None = None
-        for s in signals:
-            signal.signal(s, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def close(self) -> None:
+        """Put back the handlers that were there before."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum is None:
+        # under Slurm a signal may arrive twice (from slurmstepd and forwarded by the job's wrapper)
+        first, self.signum = self.signum is None, self.signum or signum
+        if first:
             log.warning("received %s: stopping at the next safe point", signal.Signals(signum).name)
-        self.signum = signum
 
     @property
     def requested(self) -> bool:

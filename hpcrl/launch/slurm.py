@@ -68,7 +68,7 @@ def sbatch_options(res: ResourcesConfig, tasks: int) -> dict:
         raise ValueError(f"tasks_per_node: {res.nodes} node(s) x {per_node} task(s) != the {tasks} process(es) "
                          "this component needs (trainer.world_size for the trainer)")
     params: dict = {"nodes": res.nodes, "ntasks_per_node": per_node, "cpus_per_task": res.cpus_per_task,
-                    "time": res.time_min, "signal_delay_s": 60, "stderr_to_stdout": True}
+                    "time": res.time_min, "signal_delay_s": res.signal_s, "stderr_to_stdout": True}
     optional = {"gpus_per_node": res.gpus_per_node or None, "mem": res.mem, "partition": res.partition,
                 "account": res.account, "qos": res.qos, "constraint": res.constraint, "gres": res.gres,
                 "exclusive": True if res.exclusive else None}

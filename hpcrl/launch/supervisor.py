@@ -9,10 +9,18 @@ allocation) -> submit each and record its job id in ``<run_dir>/jobs/``
 (a rejected submission cancels what was already submitted) -> loop: print a
 progress line from ``logs/metrics.jsonl``, check every job -> the run ends
 when the trainer ranks exit 0 after writing ``DONE`` (rollouts then exit by
-themselves, or are stopped after a grace period) -> or it fails when any
-component exits non-zero: the others are stopped and :class:`ComponentFailed`
-carries the failing log's tail. (Resubmission of failed components comes
-with the watchdog.)
+themselves, or are stopped after a grace period). A component that dies or
+hangs is cancelled and resubmitted by the watchdog
+(:mod:`hpcrl.watchdog.policy`); when its budget is spent the others are
+stopped and :class:`ComponentFailed` carries the failing log's tail.
+
+Walltime and preemption of the supervisor's own job: on SIGUSR2 or SIGTERM
+(``sbatch --signal=B:USR2@N``, ``scancel``, a preempting scheduler) the
+supervisor forwards SIGUSR2 to every component, gives them
+``launch.preempt_grace_s`` to checkpoint and exit (killing what is left),
+and raises :class:`RunPreempted`; ``hpcrl.submit`` then asks Slurm to
+requeue the job and exits 75. Nothing is lost: the trainer resumes from the
+checkpoint it just wrote, rollouts from the ledger.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +39,7 @@ from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalSchedule
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.finalize import finalize
 from hpcrl.launch.heartbeat import read_heartbeats
+from hpcrl.launch.preempt import PreemptionFlag
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.spool.store import Spool
 from hpcrl.watchdog.policy import Decision, Watchdog
@@ -114,16 +124,30 @@ def _fmt(v, spec: str = "{:.3f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
-def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None) -> None:
-    """Run all components to completion; raise ComponentFailed if one fails."""
+class RunPreempted(RuntimeError):
+    """The supervisor was signalled (walltime, preemption, scancel): every component was asked to
+    checkpoint and stop; the run continues with ``python -m hpcrl.submit --resume``."""
+
+
+def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None,
+              preempt: PreemptionFlag | None = None) -> None:
+    """Run all components to completion; raise ComponentFailed if one fails, RunPreempted on a signal
+    (``preempt``: the caller's flag, installed early; by default one is installed here)."""
     scheduler = scheduler or make_scheduler(cfg, run_dir)
     jobs: dict[str, tuple[str, ComponentSpec]] = {}
+    # signal handlers can only be set from the main thread (tests may supervise from another one)
+    own = preempt is None and threading.current_thread() is threading.main_thread()
+    preempt = PreemptionFlag() if own else preempt
     try:
+        if preempt is not None and preempt.requested:
+            raise RunPreempted(f"stopped on {signal.Signals(preempt.signum).name} before the components started")
         _submit_all(cfg, run_dir, scheduler, jobs)
-        _watch(cfg, run_dir, scheduler, jobs)
+        _watch(cfg, run_dir, scheduler, jobs, preempt)
     finally:
         for job_id, _ in jobs.values():
             scheduler.cancel(job_id, signal.SIGKILL)
+        if own:
+            preempt.close()
 
 
 def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> None:
@@ -149,7 +173,8 @@ def _heartbeat_name(name: str) -> str:
     return "trainer-r0" if name == "trainer" else name  # a Slurm trainer job: rank 0 speaks for it
 
 
-def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> None:
+def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
+           preempt: PreemptionFlag | None = None) -> None:
     """Supervise until the trainer is done; the watchdog resubmits what dies or hangs."""
     progress = Progress(run_dir / "logs" / "metrics.jsonl", cfg.trainer.total_steps, cfg.launch.progress_interval_s)
     watchdog, events = Watchdog(cfg.watchdog), run_dir / "jobs" / "events.jsonl"
@@ -157,6 +182,8 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> N
         watchdog.started(name)
     while True:
         progress.maybe_print()
+        if preempt is not None and preempt.requested:
+            _stop_for_preemption(cfg, scheduler, jobs, events, signal.Signals(preempt.signum).name)
         codes = {n: scheduler.poll(j) for n, (j, _) in jobs.items()}
         trainer_codes = [c for n, c in codes.items() if _is_trainer(n)]
         if all(c == 0 for c in trainer_codes) and (run_dir / "DONE").exists():
@@ -213,6 +240,24 @@ def _event(path: Path, name: str, job_id: str, decision: Decision) -> None:
     with open(path, "a") as f:
         f.write(json.dumps({"time": time.time(), "component": name, "job_id": job_id,
                             "action": decision.action, "reason": decision.reason}) + "\n")
+
+
+def _stop_for_preemption(cfg: RunConfig, scheduler: Scheduler, jobs: dict, events: Path, why: str) -> None:
+    """Ask every component to checkpoint and stop (SIGUSR2), wait for them, then raise RunPreempted."""
+    grace = cfg.launch.preempt_grace_s
+    log.warning("supervisor received %s: asking every component to checkpoint and stop (grace %.0fs)", why, grace)
+    for name, (job_id, _) in jobs.items():
+        _event(events, name, job_id, Decision("stop", f"supervisor received {why}: preemption/walltime"))
+        scheduler.cancel(job_id, signal.SIGUSR2)
+    deadline = time.time() + grace
+    for name, (job_id, _) in jobs.items():
+        code = scheduler.wait(job_id, max(0.1, deadline - time.time()))
+        if code is None:
+            log.warning("%s did not stop within %.0fs; killing it (a trainer resumes from its previous "
+                        "checkpoint)", name, grace)
+        else:
+            log.info("%s stopped (exit %s)", name, code)
+    raise RunPreempted(f"stopped on {why}: every component checkpointed or was stopped")
 
 
 def _stop_rollouts(scheduler: Scheduler, jobs: dict, timeout_s: float) -> None:

@@ -54,6 +54,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
 
 
 def run(run_dir: Path, replica: int) -> None:
+    preempt = PreemptionFlag()  # first: a walltime signal during start-up must not kill the process
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
     setup_logging(f"rollout {replica}")
     torch.set_num_threads(cfg.rollout.threads)
@@ -62,7 +63,6 @@ def run(run_dir: Path, replica: int) -> None:
     worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer)
     heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
     done = run_dir / "DONE"
-    preempt = PreemptionFlag()
 
     def should_stop() -> bool:
         s = worker.stats

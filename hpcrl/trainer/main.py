@@ -159,6 +159,7 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer) -> tup
 
 
 def run(run_dir: Path) -> None:
+    preempt = PreemptionFlag()  # first: a walltime signal during start-up must not kill the process
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
     ctx = init_from_env(cfg.trainer.backend)
     setup_logging(f"trainer r{ctx.rank}")
@@ -173,7 +174,6 @@ def run(run_dir: Path) -> None:
                else DiskWeights(run_dir / "weights", cfg.weights))
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}", cfg.launch.heartbeat_interval_s)
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
-    preempt = PreemptionFlag()
 
     def wait() -> None:
         preempt.check()
