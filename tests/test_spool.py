@@ -3,8 +3,11 @@ claim/drop/trained/release moves and quarantine of invalid files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +25,7 @@ from hpcrl.spool import (
     Spool,
     SpoolFormatError,
     TrajectoryGroup,
+    encode_group,
     file_name,
     parse_name,
     read_group,
@@ -30,6 +34,7 @@ from hpcrl.spool import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden"
 
 
 def make_sample(rng: np.random.Generator, length: int, v0: int = 3, v1: int = 3) -> Sample:
@@ -79,15 +84,48 @@ def test_round_trip_bit_equal(tmp_path: Path) -> None:
 def test_schema_layout_is_as_documented(tmp_path: Path) -> None:
     write_group(tmp_path / "x.h5", make_group(lengths=(4, 6)))
     with h5py.File(tmp_path / "x.h5", "r", locking=False) as f:
-        assert set(f.attrs) == {"schema_version", "ticket", "writer", "min_version", "max_version",
-                                "created", "group_size", "meta", "finish_reasons"}
-        assert f.attrs["schema_version"] == SCHEMA_VERSION == 1
-        dtypes = {k: (str(f[k].dtype), f[k].shape) for k in f}
-    assert dtypes == {
-        "prompt_ids": ("int32", (9,)), "response_ids": ("int32", (10,)), "offsets": ("int64", (3,)),
-        "behav_logprobs": ("float32", (10,)), "versions": ("int32", (10,)),
-        "loss_mask": ("uint8", (10,)), "rewards": ("float32", (2,)),
+        assert set(f.attrs) == {"schema_version", "header"}
+        assert f.attrs["schema_version"] == SCHEMA_VERSION == 2
+        header = json.loads(f.attrs["header"])
+        layout = {k: (f[k].dtype, f[k].shape) for k in f}
+    assert set(header) == {"ticket", "writer", "min_version", "max_version", "created", "finish_reasons", "meta"}
+    assert header["finish_reasons"] == ["stop", "stop"] and header["meta"]["answers"] == ["4", "四"]
+    assert layout == {
+        "prompt_ids": (np.dtype("<i4"), (9,)),
+        "samples": (np.dtype([("length", "<i8"), ("reward", "<f4")]), (2,)),
+        "tokens": (np.dtype([("response_id", "<i4"), ("behav_logprob", "<f4"), ("version", "<i4"),
+                             ("loss_mask", "u1")]), (10,)),
     }
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_golden_files_of_every_readable_schema_read_bit_equal(tmp_path: Path, schema: int) -> None:
+    """Files written by earlier code (tests/golden/spool_schema<N>.h5, from make_group()) stay readable."""
+    golden = GOLDEN / f"spool_schema{schema}.h5"
+    with h5py.File(golden, "r", locking=False) as f:
+        assert f.attrs["schema_version"] == schema
+    assert_same_group(make_group(), read_group(golden))
+    sp = Spool(tmp_path)  # and through the store, under the file's canonical name
+    shutil.copy(golden, sp.ready_dir / file_name(make_group()))
+    [entry] = sp.claim(sp.ready())
+    assert_same_group(make_group(), sp.load(entry))
+
+
+def test_header_rewritten_as_variable_length_string_still_reads(tmp_path: Path) -> None:
+    """h5py writes str attributes as variable-length strings; the reader takes both kinds."""
+    write_group(tmp_path / "x.h5", make_group())
+    with h5py.File(tmp_path / "x.h5", "r+", locking=False) as f:
+        f.attrs["header"] = f.attrs["header"].decode()
+        assert h5py.check_string_dtype(f.attrs.get_id("header").dtype).length is None
+    assert_same_group(make_group(), read_group(tmp_path / "x.h5"))
+
+
+def test_large_header_round_trips(tmp_path: Path) -> None:
+    """A JSON header far over HDF5's 64 KiB limit for compact attributes (long response texts in meta)."""
+    g = make_group()
+    g.meta["responses"] = ["令" * 40_000] * 4
+    write_group(tmp_path / "x.h5", g)
+    assert_same_group(g, read_group(tmp_path / "x.h5"))
 
 
 def test_group_without_tokens_takes_version_from_meta(tmp_path: Path) -> None:
@@ -140,6 +178,26 @@ def test_publish_lists_sorted_and_ignores_junk(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         sp.publish(make_group(ticket=5, v0=4, v1=4))
     assert os.listdir(sp.tmp_dir) == [], "failed publish must not leave a temp file"
+    with pytest.raises(SpoolFormatError, match="writer"):
+        sp.publish(make_group(ticket=6, writer="a_b"))
+    assert os.listdir(sp.tmp_dir) == [] and len(sp.ready()) == 3
+
+
+def test_publish_writes_the_encoded_file_and_it_is_durable_before_the_rename(tmp_path: Path, monkeypatch) -> None:
+    """The bytes in ready/ are encode_group's, and the file was fsynced (by fd) before it got its final name."""
+    sp = Spool(tmp_path)
+    g = make_group(ticket=3)
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync:{os.readlink(f'/proc/self/fd/{fd}')}"),
+                                                   real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
+    path = sp.publish(g)
+    tmp = next(e.split(":", 1)[1] for e in events if e.startswith("rename:"))
+    assert events.index(f"fsync:{tmp}") < events.index(f"rename:{tmp}")
+    assert events[-1] == f"fsync:{sp.ready_dir}", "the directory entry is made durable last"
+    assert path.read_bytes() == encode_group(g)
+    assert_same_group(g, read_group(path))
 
 
 WRITER = textwrap.dedent("""
@@ -214,6 +272,15 @@ def _set(name: str, index: int, value):
     return fn
 
 
+def _set_field(name: str, column: str, index: int, value):
+    """Change one column of one row of a compound dataset (schema 2 ``tokens``/``samples``)."""
+    def fn(f):
+        rows = f[name][()]
+        rows[column][index] = value
+        f[name][...] = rows
+    return fn
+
+
 def _replace(name: str, data):
     def fn(f):
         del f[name]
@@ -227,21 +294,79 @@ def _attr(name: str, value):
     return fn
 
 
-CORRUPTIONS = {
+def _header(**changes):
+    def fn(f):
+        f.attrs["header"] = json.dumps({**json.loads(f.attrs["header"]), **changes})
+    return fn
+
+
+def _retype(name: str, **dtypes):
+    """Rewrite compound dataset ``name`` with some columns stored in another dtype."""
+    def fn(f):
+        rows = f[name][()]
+        new = np.empty(rows.shape, [(c, dtypes.get(c, rows.dtype[c])) for c in rows.dtype.names])
+        for c in rows.dtype.names:
+            new[c] = rows[c]
+        _replace(name, new)(f)
+    return fn
+
+
+CORRUPTIONS = {  # schema 2: case -> (edit, expected words in the quarantine reason)
+    "nan_logprob": (_set_field("tokens", "behav_logprob", 3, np.nan), "NaN"),
+    "inf_logprob": (_set_field("tokens", "behav_logprob", 0, -np.inf), "NaN or inf"),
+    "positive_logprob": (_set_field("tokens", "behav_logprob", 2, 0.5), "positive"),
+    "negative_version": (_set_field("tokens", "version", 1, -1), "negative"),
+    "mask_not_binary": (_set_field("tokens", "loss_mask", 0, 2), "0 or 1"),
+    "nan_reward": (_set_field("samples", "reward", 1, np.nan), "rewards"),
+    "negative_length": (_set_field("samples", "length", 0, -5), ">= 0"),
+    "lengths_exceed_tokens": (_set_field("samples", "length", 1, 4), "sum of the sample lengths"),
+    "short_tokens": (lambda f: _replace("tokens", f["tokens"][:3])(f), "sum of the sample lengths"),
+    "no_samples": (lambda f: _replace("samples", f["samples"][:0])(f), "at least one sample"),
+    "wrong_schema": (_attr("schema_version", 99), "schema_version: expected 2"),
+    "schema_not_int": (_attr("schema_version", "2"), "expected an integer"),
+    "wrong_token_dtype": (_retype("tokens", response_id="<i8"), "dataset 'tokens'"),
+    "big_endian_tokens": (_retype("tokens", version=">i4"), "dataset 'tokens'"),
+    "wrong_sample_dtype": (_retype("samples", reward="<f8"), "dataset 'samples'"),
+    "prompt_2d": (_replace("prompt_ids", np.zeros((3, 3), np.int32)), "expected 1-D"),
+    "missing_dataset": (lambda f: f.__delitem__("tokens"), "missing dataset 'tokens'"),
+    "missing_header": (lambda f: f.attrs.__delitem__("header"), "missing attribute 'header'"),
+    "header_not_json": (_attr("header", "{not json"), "JSONDecodeError"),
+    "header_not_object": (_attr("header", "[1, 2]"), "JSON object"),
+    "header_missing_key": (lambda f: _attr("header", json.dumps(
+        {k: v for k, v in json.loads(f.attrs["header"]).items() if k != "created"}))(f), "missing 'created'"),
+    "header_ticket_str": (_header(ticket="7"), "header 'ticket'"),
+    "header_bool_version": (_header(min_version=True), "header 'min_version'"),
+    "header_meta_list": (_header(meta=[1]), "header 'meta'"),
+    "header_bad_writer": (_header(writer="a_b"), "writer"),
+    "finish_reasons": (_header(finish_reasons=["stop"]), "finish_reasons"),
+    "header_versions": (_header(max_version=77), "contradict"),
+    "other_ticket": (_header(ticket=8), "file name says"),
+}
+
+CORRUPTIONS_SCHEMA1 = {  # the same guarantees for files of the previous layout
     "nan_logprob": (_set("behav_logprobs", 3, np.nan), "NaN"),
-    "inf_logprob": (_set("behav_logprobs", 0, -np.inf), "NaN or inf"),
-    "positive_logprob": (_set("behav_logprobs", 2, 0.5), "positive"),
     "negative_version": (_set("versions", 1, -1), "negative"),
     "mask_not_binary": (_set("loss_mask", 0, 2), "0 or 1"),
-    "wrong_schema": (_attr("schema_version", 99), "schema_version"),
+    "unknown_schema": (_attr("schema_version", 3), "schema_version: expected 2 (or 1"),
     "short_dataset": (_replace("versions", np.zeros(3, np.int32)), "offsets"),
     "bad_offsets": (_replace("offsets", np.array([0, 30, 10, 20, 20], np.int64)), "offsets"),
     "wrong_dtype": (_replace("rewards", np.zeros(4, np.float64)), "rewards"),
     "missing_dataset": (lambda f: f.__delitem__("loss_mask"), "loss_mask"),
+    "missing_attr": (lambda f: f.attrs.__delitem__("group_size"), "group_size"),
     "bad_meta_json": (_attr("meta", "{not json"), "JSONDecodeError"),
     "header_versions": (_attr("max_version", 77), "contradict"),
     "other_ticket": (_attr("ticket", 8), "file name says"),
 }
+
+
+def _check_quarantined(sp: Spool, path: Path, case: str, expected: str) -> None:
+    if case != "other_ticket":  # that one is only detectable against the file name
+        with pytest.raises(SpoolFormatError, match=re.escape(expected)):
+            read_group(path)
+    [entry] = sp.ready()
+    assert sp.load(entry) is None
+    assert sp.counts()["quarantined"] == 1 and sp.counts()["ready"] == 0
+    assert expected in sp.reason(sp.quarantined()[0])["reason"]
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
@@ -249,14 +374,19 @@ def test_invalid_content_is_quarantined(tmp_path: Path, case: str) -> None:
     fn, expected = CORRUPTIONS[case]
     sp = Spool(tmp_path)
     path = sp.publish(make_group(lengths=(5, 0, 12, 3)))
+    read_group(path)  # valid before the edit
     _edit(path, fn)
-    if case != "other_ticket":  # that one is only detectable against the file name
-        with pytest.raises(SpoolFormatError):
-            read_group(path)
-    [entry] = sp.ready()
-    assert sp.load(entry) is None
-    assert sp.counts()["quarantined"] == 1 and sp.counts()["ready"] == 0
-    assert expected in sp.reason(sp.quarantined()[0])["reason"]
+    _check_quarantined(sp, path, case, expected)
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS_SCHEMA1))
+def test_invalid_schema1_content_is_quarantined(tmp_path: Path, case: str) -> None:
+    fn, expected = CORRUPTIONS_SCHEMA1[case]
+    sp = Spool(tmp_path)
+    path = sp.ready_dir / file_name(make_group())
+    shutil.copy(GOLDEN / "spool_schema1.h5", path)
+    _edit(path, fn)
+    _check_quarantined(sp, path, case, expected)
 
 
 def test_claim_skips_vanished_files(tmp_path: Path) -> None:
@@ -279,6 +409,9 @@ def test_trained_drop_and_release_moves(tmp_path: Path) -> None:
     c = sp.claim(sp.ready()[:5])
     sp.mark_trained(c[:2], step=3)
     sp.mark_trained(c[:2], step=3)  # repeated after an interruption: no error, no change
+    ghost = dataclasses.replace(c[0], path=c[0].path.with_name("g000000099_v000003-000005_r0-a.h5"))
+    with pytest.raises(FileNotFoundError):  # neither claimed nor trained: a real error, not a repeat
+        sp.mark_trained([ghost], step=3)
     sp.mark_trained(c[2:3], step=4)
     sp.drop(c[3], "all rewards equal")
     trained = sp.trained()
@@ -297,3 +430,19 @@ def test_trained_drop_and_release_moves(tmp_path: Path) -> None:
     assert not again.path.exists() and sp.reason(d)["reason"] == "all rewards equal"
     second = tmp_path / "dropped" / "again-1" / again.name
     assert second.exists() and json.loads(second.with_name(again.name + ".reason.json").read_text())["reason"] == "x"
+
+
+def test_bench_spool_measures_every_operation(tmp_path: Path) -> None:
+    """scripts/bench_spool.py runs end to end on a tiny workload and reports every row."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_spool.py"), "--reps", "1", "--files", "4",
+                           "--batch", "4", "--dir", str(tmp_path), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"write_group", "publish", "admit", "admit_refused", "claim", "read_group", "load",
+                            "mark_trained", "step_trainer", "step_rollout"}
+    assert all(r["median_us"] > 0 for r in results.values())
+    assert results["step_trainer"]["median_us"] > 4 * results["load"]["median_us"]  # a step loads B files
+    assert "trainer step: claim+load+mark_trained" in proc.stdout

@@ -23,6 +23,10 @@ Lifecycle and ordering rules (DESIGN 3.2):
   (one rename succeeds, so exactly one rollout regenerates it). A reissued
   ticket is already counted as admitted, so it is handed out regardless of
   the bound.
+
+Cost: ``try_admit`` lists ``reissue/`` and ``dropped/`` on every call (the
+counters are files, so they are never cached: a cached count could miss a
+drop and stall the bound), with ``os.listdir`` rather than ``Path`` objects.
 """
 
 from __future__ import annotations
@@ -47,8 +51,12 @@ def create_exclusive(path: Path, record: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump({**record, "time": time.time()}, f)
+    data = memoryview(json.dumps({**record, "time": time.time()}).encode())
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
     return True
 
 
@@ -97,7 +105,7 @@ class AdmissionLedger:
         create_exclusive(self.reissue_dir / f"t{index:09d}", {"reason": reason})
 
     def pending_reissues(self) -> list[int]:
-        return sorted(int(p.name[1:]) for p in self.reissue_dir.iterdir() if p.name[1:].isdigit())
+        return sorted(int(n[1:]) for n in os.listdir(self.reissue_dir) if n[1:].isdigit())
 
     def holders(self) -> dict[int, str]:
         """Ticket -> the writer that currently owns its generation (the latest taker of a reissue)."""
@@ -143,10 +151,10 @@ class AdmissionLedger:
 
     # -- accounting --------------------------------------------------------
     def num_admitted(self) -> int:
-        return sum(1 for p in self.tickets_dir.iterdir() if p.name.startswith("t"))
+        return sum(1 for n in os.listdir(self.tickets_dir) if n.startswith("t"))
 
     def num_dropped(self) -> int:
-        return sum(1 for p in self.dropped_dir.iterdir() if p.name.startswith("t"))
+        return sum(1 for n in os.listdir(self.dropped_dir) if n.startswith("t"))
 
     def record_drop(self, index: int, reason: str) -> None:
         """Record that ticket ``index`` will never be trained (idempotent)."""

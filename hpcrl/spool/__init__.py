@@ -1,6 +1,7 @@
 """The HDF5 trajectory spool: rollouts publish prompt groups, the trainer claims them.
 
-``format`` defines one file (``TrajectoryGroup`` <-> HDF5, validated on read);
+``format`` defines one file (``TrajectoryGroup`` <-> HDF5, validated on read;
+``h5io`` is its low-level HDF5 access, ``schema1`` reads the previous layout);
 ``store`` defines the directory life cycle (publish -> ready -> claimed ->
 trained | dropped | quarantine). See docs/spool-format.md.
 """
@@ -11,6 +12,7 @@ from hpcrl.spool.format import (
     Sample,
     SpoolFormatError,
     TrajectoryGroup,
+    encode_group,
     file_name,
     parse_name,
     read_group,
@@ -27,6 +29,7 @@ __all__ = [
     "SpoolEntry",
     "SpoolFormatError",
     "TrajectoryGroup",
+    "encode_group",
     "file_name",
     "parse_name",
     "read_group",

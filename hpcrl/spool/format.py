@@ -1,19 +1,21 @@
 """The spool file format: one HDF5 file per finished prompt group.
 
 A rollout writes each group of ``group_size`` samples of one prompt as one
-file; the trainer reads it. The layout (see docs/spool-format.md) holds only
-numeric datasets and JSON strings: nothing is pickled, so a file from an
-untrusted or broken writer can at worst fail validation.
+file; the trainer reads it. The layout (schema 2, see docs/spool-format.md)
+holds only numeric datasets and JSON strings: nothing is pickled, so a file
+from an untrusted or broken writer can at worst fail validation. It is kept
+to a few HDF5 objects because the fixed cost per object dominates for files
+this small: a ``schema_version`` attribute, a JSON ``header`` attribute, and
+three datasets, ``prompt_ids``, ``samples`` (one compound row per sample:
+length, reward) and ``tokens`` (one compound row per response token, the
+samples' tokens one after the other).
 
-Ragged per-sample arrays are stored flat: sample ``i`` owns the slice
-``offsets[i]:offsets[i+1]`` of ``response_ids``, ``behav_logprobs``,
-``versions`` and ``loss_mask``.
-
-Ordering rules: ``write_group`` writes a plain file and is not atomic;
-publication (write to a temporary name, fsync, rename) is the store's job
-(``hpcrl.spool.store.Spool.publish``). ``read_group`` validates everything and
-raises ``SpoolFormatError`` with the reason; it never returns a group that
-would crash the trainer.
+Ordering rules: ``encode_group``/``write_group`` produce a plain file and are
+not atomic; publication (write to a temporary name, fsync, rename) is the
+store's job (``hpcrl.spool.store.Spool.publish``). ``read_group`` reads
+schema 2 and schema 1 files, validates everything and raises
+``SpoolFormatError`` with the reason; it never returns a group that would
+crash the trainer.
 """
 
 from __future__ import annotations
@@ -26,24 +28,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
+from hpcrl.spool import schema1
+from hpcrl.spool.errors import SpoolFormatError
+from hpcrl.spool.h5io import H5File, encode
+
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, SCHEMA_VERSION)
 SUFFIX = ".h5"
 WRITER_RE = re.compile(r"^[A-Za-z0-9-]+$")
 _NAME_RE = re.compile(r"^g(\d{9,})_v(\d{6,})-(\d{6,})_([A-Za-z0-9-]+)\.h5$")
-_TOKEN_FIELDS = {  # name -> dtype of the flat per-token datasets
-    "response_ids": np.int32,
-    "behav_logprobs": np.float32,
-    "versions": np.int32,
-    "loss_mask": np.uint8,
+# Sample field -> (column of the ``tokens`` dataset, dtype). Packed little-endian compound types.
+_TOKEN_COLUMNS = {
+    "response_ids": ("response_id", np.dtype("<i4")),
+    "behav_logprobs": ("behav_logprob", np.dtype("<f4")),
+    "versions": ("version", np.dtype("<i4")),
+    "loss_mask": ("loss_mask", np.dtype("u1")),
+}
+TOKEN_DTYPE = np.dtype([(col, dt) for col, dt in _TOKEN_COLUMNS.values()])
+PROMPT_DTYPE = np.dtype("<i4")
+SAMPLE_DTYPE = np.dtype([("length", "<i8"), ("reward", "<f4")])
+_HEADER_TYPES: dict[str, tuple[type, ...]] = {  # header key -> accepted JSON types
+    "ticket": (int,), "writer": (str,), "min_version": (int,), "max_version": (int,),
+    "created": (int, float), "finish_reasons": (list,), "meta": (dict,),
 }
 _EMPTY_VERSION_KEY = "version"  # meta key giving the version of a group without tokens
 
-
-class SpoolFormatError(ValueError):
-    """A spool file (or a group about to be written) is invalid; the message says why."""
+__all__ = ["PROMPT_DTYPE", "READABLE_SCHEMAS", "SAMPLE_DTYPE", "SCHEMA_VERSION", "TOKEN_DTYPE", "NameInfo", "Sample",
+           "SpoolFormatError", "TrajectoryGroup", "encode_group", "file_name", "parse_name", "read_group",
+           "validate_group", "write_group"]
 
 
 @dataclass
@@ -69,11 +83,12 @@ class TrajectoryGroup:
     created: float = field(default_factory=time.time)  # unix time the group was finished
     meta: dict = field(default_factory=dict)  # JSON-serialisable extras (prompt text, answer, ...)
 
-    def _version_range(self) -> tuple[int, int]:
-        vs = [np.asarray(s.versions) for s in self.samples if len(s.versions)]
-        lows, highs = [int(v.min()) for v in vs], [int(v.max()) for v in vs]
-        if lows:
-            return min(lows), max(highs)
+    def version_range(self) -> tuple[int, int]:
+        """(oldest, newest) policy version of any response token; meta["version"] (or 0) twice if no token."""
+        vs = [s.versions for s in self.samples if len(s.versions)]
+        if vs:
+            flat = np.concatenate(vs) if len(vs) > 1 else np.asarray(vs[0])
+            return int(flat.min()), int(flat.max())
         # No generated token at all: the producer states the version in meta.
         v = int(self.meta.get(_EMPTY_VERSION_KEY, 0))
         return v, v
@@ -81,12 +96,12 @@ class TrajectoryGroup:
     @property
     def min_version(self) -> int:
         """Oldest policy version of any response token (meta["version"] or 0 if no token)."""
-        return self._version_range()[0]
+        return self.version_range()[0]
 
     @property
     def max_version(self) -> int:
         """Newest policy version of any response token (meta["version"] or 0 if no token)."""
-        return self._version_range()[1]
+        return self.version_range()[1]
 
 
 class NameInfo(NamedTuple):
@@ -100,7 +115,8 @@ class NameInfo(NamedTuple):
 
 def file_name(group: TrajectoryGroup) -> str:
     """Canonical file name ``g{ticket:09d}_v{min:06d}-{max:06d}_{writer}.h5``."""
-    return f"g{group.ticket:09d}_v{group.min_version:06d}-{group.max_version:06d}_{group.writer}{SUFFIX}"
+    lo, hi = group.version_range()
+    return f"g{group.ticket:09d}_v{lo:06d}-{hi:06d}_{group.writer}{SUFFIX}"
 
 
 def parse_name(name: str) -> NameInfo | None:
@@ -114,15 +130,16 @@ def parse_name(name: str) -> NameInfo | None:
     return info
 
 
-def _as_1d(value: Any, dtype: type, what: str) -> np.ndarray:
+# -- writing --------------------------------------------------------------------
+def _as_1d(value: Any, dtype: np.dtype | type, what: str) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise SpoolFormatError(f"{what}: must be 1-D, got shape {arr.shape}")
     return arr.astype(dtype, copy=False)
 
 
-def _check_writable(group: TrajectoryGroup) -> None:
-    """Checks without which the file or its name would be incoherent."""
+def _check_writable(group: TrajectoryGroup) -> tuple[int, int]:
+    """Checks without which the file or its name would be incoherent; returns the version range."""
     if not isinstance(group.ticket, (int, np.integer)) or group.ticket < 0:
         raise SpoolFormatError(f"ticket: must be an int >= 0, got {group.ticket!r}")
     if not isinstance(group.writer, str) or not WRITER_RE.match(group.writer):
@@ -130,43 +147,45 @@ def _check_writable(group: TrajectoryGroup) -> None:
     if not group.samples:
         raise SpoolFormatError("samples: a group needs at least one sample")
     for i, s in enumerate(group.samples):
-        lengths = {k: len(getattr(s, k)) for k in _TOKEN_FIELDS}
+        lengths = {k: len(getattr(s, k)) for k in _TOKEN_COLUMNS}
         if len(set(lengths.values())) != 1:
             raise SpoolFormatError(f"samples[{i}]: per-token arrays differ in length: {lengths}")
-        if len(s.versions) and int(np.min(s.versions)) < 0:
-            raise SpoolFormatError(f"samples[{i}].versions: must be >= 0")
-    if group.min_version < 0:
-        raise SpoolFormatError(f"meta.{_EMPTY_VERSION_KEY}: must be >= 0, got {group.min_version}")
+    lo, hi = group.version_range()
+    if lo < 0:
+        where = "versions" if any(len(s.versions) for s in group.samples) else f"meta.{_EMPTY_VERSION_KEY}"
+        raise SpoolFormatError(f"{where}: must be >= 0, got {lo}")
+    return lo, hi
 
 
-def write_group(path: Path, group: TrajectoryGroup) -> None:
-    """Write ``group`` to ``path`` (plain, non-atomic; see ``Spool.publish``).
+def encode_group(group: TrajectoryGroup) -> bytes:
+    """The bytes of ``group``'s spool file (schema 2), built in memory.
 
     Structure is checked here (lengths, ticket, writer, versions >= 0); value
     checks (finite non-positive logprobs, 0/1 mask) run in ``read_group`` so a
     bad group still reaches the spool and is quarantined with a reason. Call
     ``validate_group`` first to fail early instead.
     """
-    _check_writable(group)
-    lengths = [len(s.response_ids) for s in group.samples]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    with h5py.File(path, "w", locking=False) as f:
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["ticket"] = int(group.ticket)
-        f.attrs["writer"] = group.writer
-        f.attrs["min_version"] = group.min_version
-        f.attrs["max_version"] = group.max_version
-        f.attrs["created"] = float(group.created)
-        f.attrs["group_size"] = len(group.samples)
-        f.attrs["meta"] = json.dumps(group.meta, ensure_ascii=False)
-        f.attrs["finish_reasons"] = json.dumps([s.finish_reason for s in group.samples])
-        f.create_dataset("prompt_ids", data=_as_1d(group.prompt_ids, np.int32, "prompt_ids"))
-        f.create_dataset("offsets", data=offsets)
-        for name, dtype in _TOKEN_FIELDS.items():
-            parts = [_as_1d(getattr(s, name), dtype, name) for s in group.samples]
-            f.create_dataset(name, data=np.concatenate(parts) if parts else np.zeros(0, dtype))
-        f.create_dataset("rewards", data=np.array([s.reward for s in group.samples], np.float32))
+    lo, hi = _check_writable(group)
+    samples = np.empty(len(group.samples), SAMPLE_DTYPE)
+    samples["length"] = [len(s.response_ids) for s in group.samples]
+    samples["reward"] = [s.reward for s in group.samples]
+    tokens = np.empty(int(samples["length"].sum()), TOKEN_DTYPE)
+    for name, (col, dtype) in _TOKEN_COLUMNS.items():
+        parts = [_as_1d(getattr(s, name), dtype, name) for s in group.samples]
+        tokens[col] = np.concatenate(parts)
+    header = {"ticket": int(group.ticket), "writer": group.writer, "min_version": lo, "max_version": hi,
+              "created": float(group.created), "finish_reasons": [s.finish_reason for s in group.samples],
+              "meta": group.meta}
+    return encode({"schema_version": SCHEMA_VERSION, "header": json.dumps(header, ensure_ascii=False)},
+                  {"prompt_ids": _as_1d(group.prompt_ids, PROMPT_DTYPE, "prompt_ids"),
+                   "samples": samples, "tokens": tokens})
+
+
+def write_group(path: Path, group: TrajectoryGroup) -> None:
+    """Write ``group`` to ``path`` (plain, non-atomic; see ``Spool.publish`` and ``encode_group``)."""
+    data = encode_group(group)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def validate_group(group: TrajectoryGroup) -> None:
@@ -184,129 +203,105 @@ def validate_group(group: TrajectoryGroup) -> None:
 
 
 def _check_values(where: str, logp: np.ndarray, versions: np.ndarray, mask: np.ndarray) -> None:
-    if not np.all(np.isfinite(logp)):
+    """Vectorised value checks of one sample's or one file's flat per-token arrays."""
+    if not np.isfinite(logp).all():
         raise SpoolFormatError(f"{where}behav_logprobs: contains NaN or inf")
-    if np.any(logp > 0):
+    if (logp > 0).any():
         raise SpoolFormatError(f"{where}behav_logprobs: contains positive values (max {logp.max()})")
-    if np.any(versions < 0):
+    if (versions < 0).any():
         raise SpoolFormatError(f"{where}versions: contains negative values")
-    if np.any((mask != 0) & (mask != 1)):
+    # uint8 (as read): 0/1 means <= 1, one reduction; other dtypes (validate_group) need both bounds
+    bad = (mask > 1).any() if mask.dtype == np.uint8 else ((mask != 0) & (mask != 1)).any()
+    if bad:
         raise SpoolFormatError(f"{where}loss_mask: values must be 0 or 1")
 
 
+# -- reading --------------------------------------------------------------------
 def read_group(path: Path) -> TrajectoryGroup:
-    """Read and fully validate one spool file.
+    """Read and fully validate one spool file (schema 2, or schema 1 written before it).
 
-    Raises ``SpoolFormatError`` for a truncated/unreadable file, a wrong
-    schema version, a missing or mistyped dataset, inconsistent shapes,
-    NaN/inf/positive logprobs, negative versions, a mask not 0/1 or attributes
-    that contradict the data. A missing file raises ``FileNotFoundError``.
+    Raises ``SpoolFormatError`` for a truncated/unreadable file, an unknown
+    schema version, a missing or mistyped attribute or dataset, inconsistent
+    shapes, NaN/inf/positive logprobs, negative versions, a mask not 0/1,
+    non-finite rewards, invalid JSON or a header that contradicts the data.
+    A missing file raises ``FileNotFoundError``.
     """
-    path = Path(path)
     try:
-        f = h5py.File(path, "r", locking=False)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise SpoolFormatError(f"unreadable HDF5 file ({e})") from e
-    try:
-        with f:
-            return _read_open(f)
-    except SpoolFormatError:
+        with H5File(path) as f:
+            schema = f.int_attr("schema_version")
+            if schema == SCHEMA_VERSION:
+                parts = _read_schema2(f)
+            elif schema == 1:
+                parts = schema1.read(f)
+            else:
+                raise SpoolFormatError(f"schema_version: expected {SCHEMA_VERSION} (or 1, still readable), "
+                                       f"got {schema}")
+        return _assemble(*parts)
+    except (SpoolFormatError, FileNotFoundError):
         raise
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         raise SpoolFormatError(f"unreadable content ({type(e).__name__}: {e})") from e
 
 
-def _attr(f: h5py.File, name: str) -> Any:
-    if name not in f.attrs:
-        raise SpoolFormatError(f"missing attribute {name!r}")
-    return f.attrs[name]
+def _read_schema2(f: H5File) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    header = json.loads(f.str_attr("header"))
+    prompt_ids = f.dataset("prompt_ids", PROMPT_DTYPE)
+    samples = f.dataset("samples", SAMPLE_DTYPE)
+    rows = f.dataset("tokens", TOKEN_DTYPE)
+    tokens = {name: np.ascontiguousarray(rows[col]) for name, (col, _) in _TOKEN_COLUMNS.items()}
+    return header, prompt_ids, np.ascontiguousarray(samples["length"]), np.ascontiguousarray(samples["reward"]), tokens
 
 
-def _int_attr(f: h5py.File, name: str) -> int:
-    value = _attr(f, name)
-    if not isinstance(value, (int, np.integer)):
-        raise SpoolFormatError(f"attribute {name!r}: expected an integer, got {value!r}")
-    return int(value)
-
-
-def _str_attr(f: h5py.File, name: str) -> str:
-    value = _attr(f, name)
-    if isinstance(value, bytes):
-        value = value.decode("utf-8")
-    if not isinstance(value, str):
-        raise SpoolFormatError(f"attribute {name!r}: expected a string, got {type(value).__name__}")
-    return value
-
-
-def _dataset(f: h5py.File, name: str, dtype: type) -> np.ndarray:
-    obj = f.get(name)
-    if not isinstance(obj, h5py.Dataset):
-        raise SpoolFormatError(f"missing dataset {name!r}")
-    if obj.dtype != np.dtype(dtype) or obj.ndim != 1:
-        raise SpoolFormatError(
-            f"dataset {name!r}: expected 1-D {np.dtype(dtype)}, got {obj.ndim}-D {obj.dtype}"
-        )
-    return obj[()]
-
-
-def _read_open(f: h5py.File) -> TrajectoryGroup:
-    schema = _int_attr(f, "schema_version")
-    if schema != SCHEMA_VERSION:
-        raise SpoolFormatError(f"schema_version: expected {SCHEMA_VERSION}, got {schema}")
-    group_size = _int_attr(f, "group_size")
-    offsets = _dataset(f, "offsets", np.int64)
-    arrays = {name: _dataset(f, name, dtype) for name, dtype in _TOKEN_FIELDS.items()}
-    rewards = _dataset(f, "rewards", np.float32)
-    reasons = json.loads(_str_attr(f, "finish_reasons"))
-    meta = json.loads(_str_attr(f, "meta"))
-    _check_shapes(group_size, offsets, arrays, rewards, reasons, meta)
-    _check_values("", arrays["behav_logprobs"], arrays["versions"], arrays["loss_mask"])
-    if not np.all(np.isfinite(rewards)):
+def _assemble(header: Any, prompt_ids: np.ndarray, lengths: np.ndarray, rewards: np.ndarray,
+              tokens: dict[str, np.ndarray]) -> TrajectoryGroup:
+    """Validate what a reader found and build the group from it."""
+    _check_header(header)
+    n_samples = len(lengths)
+    if n_samples < 1:
+        raise SpoolFormatError("samples: a group needs at least one sample, the file has none")
+    if len(rewards) != n_samples:
+        raise SpoolFormatError(f"rewards: expected {n_samples} entries, got {len(rewards)}")
+    if (lengths < 0).any():
+        raise SpoolFormatError(f"sample lengths (offsets) must be >= 0, got {lengths.tolist()}")
+    total = int(lengths.sum())
+    counts = {k: len(v) for k, v in tokens.items()}
+    if any(c != total for c in counts.values()):
+        raise SpoolFormatError(f"per-token data must have {total} entries (the sum of the sample lengths, "
+                               f"offsets[-1]), got {counts}")
+    reasons = header["finish_reasons"]
+    if len(reasons) != n_samples or not all(isinstance(r, str) for r in reasons):
+        raise SpoolFormatError(f"finish_reasons: expected a JSON list of {n_samples} strings")
+    versions = tokens["versions"]
+    if total:
+        _check_values("", tokens["behav_logprobs"], versions, tokens["loss_mask"])
+    if not np.isfinite(rewards).all():
         raise SpoolFormatError("rewards: contains NaN or inf")
-    samples = []
-    for i in range(group_size):
-        sl = slice(int(offsets[i]), int(offsets[i + 1]))
-        samples.append(Sample(**{k: v[sl] for k, v in arrays.items()},
-                              reward=float(rewards[i]), finish_reason=reasons[i]))
-    group = TrajectoryGroup(
-        ticket=_int_attr(f, "ticket"), writer=_str_attr(f, "writer"),
-        prompt_ids=_dataset(f, "prompt_ids", np.int32), samples=samples,
-        created=float(_attr(f, "created")), meta=meta,
-    )
-    _check_header(f, group)
+    ends = np.cumsum(lengths).tolist()
+    ids, logp, mask = tokens["response_ids"], tokens["behav_logprobs"], tokens["loss_mask"]
+    samples = [Sample(ids[a:b], logp[a:b], versions[a:b], mask[a:b], reward, reason)
+               for a, b, reward, reason in zip([0, *ends[:-1]], ends, rewards.tolist(), reasons)]
+    group = TrajectoryGroup(ticket=header["ticket"], writer=header["writer"], prompt_ids=prompt_ids,
+                            samples=samples, created=float(header["created"]), meta=header["meta"])
+    actual = (int(versions.min()), int(versions.max())) if total else group.version_range()
+    stored = (header["min_version"], header["max_version"])
+    if stored != actual:
+        raise SpoolFormatError(f"min/max_version in the header {stored} contradict the token versions {actual}")
     return group
 
 
-def _check_shapes(group_size: int, offsets: np.ndarray, arrays: dict[str, np.ndarray],
-                  rewards: np.ndarray, reasons: Any, meta: Any) -> None:
-    if group_size < 1:
-        raise SpoolFormatError(f"group_size: must be >= 1, got {group_size}")
-    if len(offsets) != group_size + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
-        raise SpoolFormatError(f"offsets: expected {group_size + 1} non-decreasing values from 0")
-    n = int(offsets[-1])
-    lengths = {k: len(v) for k, v in arrays.items()}
-    if any(length != n for length in lengths.values()):
-        raise SpoolFormatError(f"per-token datasets must all have offsets[-1]={n} entries, got {lengths}")
-    if len(rewards) != group_size:
-        raise SpoolFormatError(f"rewards: expected {group_size} entries, got {len(rewards)}")
-    if not isinstance(reasons, list) or len(reasons) != group_size or not all(
-        isinstance(r, str) for r in reasons
-    ):
-        raise SpoolFormatError(f"finish_reasons: expected a JSON list of {group_size} strings")
-    if not isinstance(meta, dict):
-        raise SpoolFormatError("meta: expected a JSON object")
-
-
-def _check_header(f: h5py.File, group: TrajectoryGroup) -> None:
-    if group.ticket < 0:
-        raise SpoolFormatError(f"ticket: must be >= 0, got {group.ticket}")
-    if not WRITER_RE.match(group.writer):
-        raise SpoolFormatError(f"writer: must match [A-Za-z0-9-]+, got {group.writer!r}")
-    stored = (_int_attr(f, "min_version"), _int_attr(f, "max_version"))
-    actual = (group.min_version, group.max_version)
-    if stored != actual:
-        raise SpoolFormatError(f"min/max_version attributes {stored} contradict the token versions {actual}")
-    if not math.isfinite(group.created):
-        raise SpoolFormatError(f"created: must be finite, got {group.created}")
+def _check_header(header: Any) -> None:
+    if not isinstance(header, dict):
+        raise SpoolFormatError("header: expected a JSON object")
+    for key, types in _HEADER_TYPES.items():
+        if key not in header:
+            raise SpoolFormatError(f"header: missing {key!r}")
+        value = header[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise SpoolFormatError(f"header {key!r}: expected {' or '.join(t.__name__ for t in types)}, "
+                                   f"got {type(value).__name__}")
+    if header["ticket"] < 0:
+        raise SpoolFormatError(f"ticket: must be >= 0, got {header['ticket']}")
+    if not WRITER_RE.match(header["writer"]):
+        raise SpoolFormatError(f"writer: must match [A-Za-z0-9-]+, got {header['writer']!r}")
+    if not math.isfinite(header["created"]):
+        raise SpoolFormatError(f"created: must be finite, got {header['created']}")

@@ -44,10 +44,10 @@ from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, write_json
 from hpcrl.spool.format import (
     SpoolFormatError,
     TrajectoryGroup,
+    encode_group,
     file_name,
     parse_name,
     read_group,
-    write_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,18 +97,25 @@ class Spool:
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
-        """Write ``group`` in tmp/, fsync, rename into ready/; return the final path."""
+        """Write ``group`` in tmp/, fsync, rename into ready/; return the final path.
+
+        The file is built in memory first (``encode_group``: an invalid group
+        raises before anything touches the filesystem), then written with one
+        write and fsynced through the same descriptor.
+        """
         name = file_name(group)
+        data = encode_group(group)
         final = self.ready_dir / name
         tmp = self.tmp_dir / f"{name}{TMP_MARK}{os.getpid()}"
         try:
-            write_group(tmp, group)
-            with open(tmp, "rb") as f:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
                 os.fsync(f.fileno())
             _rename_noreplace(tmp, final)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.ready_dir)
         logger.debug("published %s", name)
         return final
@@ -209,7 +216,7 @@ class Spool:
         """Read and validate ``entry``; quarantine it and return None if it is invalid."""
         try:
             group = read_group(entry.path)
-            got = (group.ticket, group.min_version, group.max_version, group.writer)
+            got = (group.ticket, *group.version_range(), group.writer)
             want = (entry.ticket, entry.min_version, entry.max_version, entry.writer)
             if got != want:
                 raise SpoolFormatError(
@@ -231,9 +238,12 @@ class Spool:
         d.mkdir(exist_ok=True)
         for e in entries:
             dst = d / e.name
-            if not e.path.exists() and dst.exists():
-                continue  # already moved by an earlier, interrupted call
-            _rename_noreplace(e.path, dst)
+            try:
+                _rename_noreplace(e.path, dst)
+            except FileNotFoundError:
+                if not dst.exists():
+                    raise
+                # already moved by an earlier, interrupted call
         fsync_dir(d)
         fsync_dir(self.claimed_dir)
 

@@ -19,6 +19,14 @@ Ordering rules (rank 0 only):
   and its ticket reissued (see :mod:`hpcrl.ckpt.reconcile`).
 * After the step, :meth:`BatchFeed.commit` moves the claimed files into
   ``trained/step_<v>/`` where ``v`` is the version that trained them.
+
+Loading is not overlapped with training on purpose: B files take ~5-7 ms
+to claim, read and commit (``scripts/bench_spool.py``), 1-2 % of a step,
+while claiming the next batch during step ``v`` would select it against
+``v`` instead of the version that trains it (``v + 1``: a file can turn
+stale in between), and much of a file's read cost is Python (h5py's
+wrappers, validation) holding the GIL, so a loader thread would compete with
+the training loop rather than overlap it.
 """
 
 from __future__ import annotations
