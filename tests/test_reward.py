@@ -302,3 +302,38 @@ def test_process_unpicklable_row_is_an_error() -> None:
         result = runner.score("p", "1", {"answer": "1", "bad": lambda: 0})
         assert result.status == "error" and "cannot send" in result.detail
         assert runner.score("p", "1", {"answer": "1"}).reward == 1.0
+
+
+def test_call_threads_time_a_call_from_its_start_and_survive_a_hung_one() -> None:
+    import threading
+    import time
+
+    from hpcrl.reward.threads import CallThreads
+
+    pool = CallThreads(1)
+    release = threading.Event()
+    queued = [pool.submit(lambda: time.sleep(0.2) or "slow") for _ in range(3)]
+    # one thread: the third call waits ~0.4 s in the queue, but only its own 0.2 s counts against 0.5 s
+    assert all(pool.wait(c, 0.5) for c in queued) and [c.result for c in queued] == ["slow"] * 3
+    hung = pool.submit(release.wait)
+    assert pool.wait(hung, 0.1) is False and pool.abandoned == 1
+    after = pool.submit(lambda: 7)
+    assert pool.wait(after, 1.0) and after.result == 7  # a fresh thread took the hung one's place
+    boom = pool.submit(lambda: (_ for _ in ()).throw(SystemExit(3)))
+    assert pool.wait(boom, 1.0) and boom.result is None and "SystemExit" in boom.error
+    assert pool.wait(pool.submit(lambda: 8), 1.0)  # a BaseException does not kill the thread
+    release.set()
+    pool.close()
+
+
+def test_thread_isolation_reuses_its_threads() -> None:
+    import threading
+
+    from hpcrl.reward.runner import RewardConfig, RewardRunner
+
+    with RewardRunner(RewardConfig(fn="hpcrl.reward.math_verify:math_reward", max_workers=4)) as runner:
+        before = threading.active_count()
+        for _ in range(20):
+            results = runner.score_many([("1+1=", "2", {"answer": "2"})] * 8)
+            assert [r.reward for r in results] == [1.0] * 8
+        assert threading.active_count() <= before  # no thread per call, no pool per group

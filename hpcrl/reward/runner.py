@@ -12,10 +12,11 @@ raises because of the function. Outcomes, each counted in ``counts``:
 
 Isolation (``cfg.isolation``):
 
-- ``thread``: every call runs in a fresh daemon thread; a call past its
-  deadline is abandoned (Python cannot kill a thread) and later calls use new
-  threads. Cheap, but a hung call keeps its thread and a crash that takes the
-  interpreter down (segfault, ``os._exit``) takes the caller with it.
+- ``thread``: calls run on ``cfg.max_workers`` persistent daemon threads
+  (:mod:`hpcrl.reward.threads`); a call past its deadline is abandoned
+  (Python cannot kill a thread) and a fresh thread takes its place. Cheap,
+  but a hung call keeps its thread and a crash that takes the interpreter
+  down (segfault, ``os._exit``) takes the caller with it.
 - ``process``: calls run in worker processes (multiprocessing ``spawn``) that
   import only the reward function. A worker past its deadline is killed with
   its whole process group and restarted on the next call; a worker that dies
@@ -42,9 +43,12 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
+from functools import partial
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Literal
+
+from hpcrl.reward.threads import Call, CallThreads
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +180,12 @@ class RewardRunner:
         self._counts = {s: 0 for s in STATUSES}
         self._lock = threading.Lock()
         self._warnings = _WarningLimiter()
-        self._abandoned: list[threading.Thread] = []
         self._pool: _WorkerPool | None = None
+        self._threads: CallThreads | None = None
         if cfg.isolation == "process":
             self._pool = _WorkerPool([_ProcessWorker(cfg.fn) for _ in range(cfg.max_workers)])
+        else:
+            self._threads = CallThreads(cfg.max_workers)
         self._closed = False
 
     def score(self, prompt: str, response: str, row: dict) -> RewardResult:
@@ -187,9 +193,10 @@ class RewardRunner:
         if self._closed:
             raise RuntimeError("RewardRunner.score called after close()")
         if self._pool is not None:
-            reward, status, detail = self._pool.call(prompt, response, dict(row), self.cfg.timeout_s)
-        else:
-            reward, status, detail = self._call_in_thread(prompt, response, dict(row))
+            return self._record(*self._pool.call(prompt, response, dict(row), self.cfg.timeout_s))
+        return self._record(*self._thread_result(self._submit(prompt, response, row)))
+
+    def _record(self, reward: float, status: str, detail: str) -> RewardResult:
         result = RewardResult(reward=reward, status=status, detail=detail)  # type: ignore[arg-type]
         with self._lock:
             self._counts[result.status] += 1
@@ -200,6 +207,11 @@ class RewardRunner:
     def score_many(self, items: list[tuple[str, str, dict]]) -> list[RewardResult]:
         """Score ``(prompt, response, row)`` items concurrently; order preserved."""
         items = list(items)
+        if self._threads is not None:  # all queued at once, up to max_workers run at a time
+            if self._closed:
+                raise RuntimeError("RewardRunner.score_many called after close()")
+            calls = [self._submit(p, r, row) for p, r, row in items]
+            return [self._record(*self._thread_result(c)) for c in calls]
         if len(items) <= 1 or self.cfg.max_workers == 1:
             return [self.score(p, r, row) for p, r, row in items]
         workers = min(self.cfg.max_workers, len(items))
@@ -219,6 +231,8 @@ class RewardRunner:
         self._closed = True
         if self._pool is not None:
             self._pool.close()
+        if self._threads is not None:
+            self._threads.close()
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -226,23 +240,15 @@ class RewardRunner:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call_in_thread(self, prompt: str, response: str, row: dict) -> tuple[float, str, str]:
-        box: list[tuple[float, str, str]] = []
-        thread = threading.Thread(
-            target=lambda: box.append(call_reward(self._fn, prompt, response, row)),
-            name="reward-call",
-            daemon=True,
-        )
-        thread.start()
-        thread.join(self.cfg.timeout_s)
-        if box:
-            return box[0]
-        if not thread.is_alive():  # ended without a result: only a BaseException does that
-            return 0.0, "error", "call ended without a result"
-        with self._lock:
-            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [thread]
-            stuck = len(self._abandoned)
-        logger.debug("reward function %s: %d abandoned call thread(s) still running", self.cfg.fn, stuck)
+    def _submit(self, prompt: str, response: str, row: dict) -> Call:
+        return self._threads.submit(partial(call_reward, self._fn, prompt, response, dict(row)))
+
+    def _thread_result(self, call: Call) -> tuple[float, str, str]:
+        if self._threads.wait(call, self.cfg.timeout_s):
+            if call.result is None:  # only a BaseException escapes call_reward
+                return 0.0, "error", f"call ended without a result: {call.error}"
+            return call.result
+        logger.debug("reward function %s: %d call thread(s) abandoned so far", self.cfg.fn, self._threads.abandoned)
         return 0.0, "timeout", f"no result after {self.cfg.timeout_s:g} s; call thread abandoned"
 
 
