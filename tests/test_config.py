@@ -17,6 +17,8 @@ QUICK = "configs/quickstart.yaml"
     ("trainer.total_steps=1.5", "trainer.total_steps", "integer"),
     ("trainer.lr=fast", "trainer.lr", "number"),
     ("trainer.lr=-1", "trainer.lr", "> 0"),
+    ("rollout.kv_on_update=drop", "rollout.kv_on_update", "'recompute', 'keep'"),
+    ("rollout.admit_min_free=500", "rollout.admit_min_free", "[0, max_batch_size=64]"),
     ("algo.adv_estimator=ppo2", "algo.adv_estimator", "'grpo'"),
     ("algo.loss_agg=mean", "algo.loss_agg", "token_mean"),
     ("launch.mode=turbo", "launch.mode", "'colocated'"),
@@ -36,6 +38,11 @@ def test_bad_value_names_key(override: str, key: str, allowed: str) -> None:
     msg = str(info.value)
     assert msg.startswith(key + ":") or msg.startswith(key + "."), msg
     assert allowed in msg, msg
+
+
+def test_prox_approx_needs_decoupled_ppo() -> None:
+    with pytest.raises(ConfigError, match=r"^algo\.prox_approx:.*decoupled=false"):
+        load_config(QUICK, ["algo.prox_approx=true", "algo.decoupled=false"])
 
 
 def test_missing_model_and_data_name_keys() -> None:

@@ -131,3 +131,37 @@ def test_fsdp_two_ranks_many_micro_batches_equal_one_rank(tmp_path) -> None:
     assert moved > 1e-4  # the step did change the weights
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-6, rtol=1e-5)
+
+
+def _anchor_rank(model_path, out, decoupled: bool) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    from hpcrl.launch.dist import init_from_env
+    from hpcrl.trainer.fsdp import FSDPEngine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=1, total_steps=1, lr=1e-2, warmup_steps=0, n_minibatches=1)
+    algo = AlgoConfig(decoupled=decoupled)
+    engine = FSDPEngine(model_path, cfg, algo, ctx, pad_id=0)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), algo)  # behaviour logprobs: off-policy
+    stats = engine.train_step(seqs)
+    torch.save({"stats": stats, "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_plain_ppo_anchors_on_the_behaviour_policy(tmp_path) -> None:
+    """algo.decoupled=false: proximal = behaviour, so every behaviour weight is exactly 1; decoupled PPO
+    on the same off-policy batch reweights tokens and takes a different step."""
+    model_path = tmp_path / "model"
+    _tiny_model(model_path)
+    ctx = mp.get_context("spawn")
+    for decoupled in (True, False):
+        p = ctx.Process(target=_anchor_rank, args=(model_path, tmp_path / f"{decoupled}.pt", decoupled))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+    plain, dec = torch.load(tmp_path / "False.pt"), torch.load(tmp_path / "True.pt")
+    weight = {k: v for k, v in plain["stats"].items() if "imp_weight_m" in k}
+    assert weight and all(v == 1.0 for v in weight.values()), plain["stats"]
+    assert any(v != 1.0 for k, v in dec["stats"].items() if "imp_weight_m" in k), dec["stats"]
+    assert max((plain["state"][k] - dec["state"][k]).abs().max().item() for k in plain["state"]) > 1e-6

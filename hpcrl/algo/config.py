@@ -95,6 +95,9 @@ class AlgoConfig:
     overlong_penalty_factor: float = 1.0
     # skip the proximal recompute pass: log-linear interpolation of behaviour and current logprobs by version
     prox_approx: bool = False
+    # false = plain PPO: clip around the behaviour policy (proximal = behaviour, no recompute, no behaviour
+    # weight); the baseline decoupled PPO is measured against under staleness
+    decoupled: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (("adv_estimator", ADV_ESTIMATORS), ("loss_agg", LOSS_AGGS),
@@ -118,6 +121,9 @@ class AlgoConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         self._check_behaviour_weight()
+        if self.prox_approx and not self.decoupled:
+            raise ValueError("prox_approx: approximates the proximal policy of decoupled PPO; "
+                             "with decoupled=false there is none (set prox_approx=false)")
         self._check_combinations()
 
     def _check_behaviour_weight(self) -> None:

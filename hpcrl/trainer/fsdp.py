@@ -157,7 +157,7 @@ class FSDPEngine:
     def _prepare(self, mb: B.MicroBatch) -> dict[str, torch.Tensor]:
         """No-grad passes of one micro-batch: proximal and reference logprobs, critic values."""
         aux = {}
-        if not self.algo.prox_approx:
+        if self.algo.decoupled and not self.algo.prox_approx:
             aux["prox"] = self._logprobs(mb)
         if self.ref_model is not None:
             aux["ref"] = self._logprobs(mb, self.ref_model)
@@ -250,7 +250,9 @@ class FSDPEngine:
         logp, entropy = self._forward(mb, entropy="grad" if self.algo.entropy_coef > 0 else "detached")
         mask, behav = mb.mask.to(dev), mb.behav_logprobs.to(dev)
         prox = aux.get("prox")
-        if prox is None:  # the k-th update's weights are version v + k / n
+        if not self.algo.decoupled:  # plain PPO: the behaviour policy is the anchor, every weight is 1
+            prox = behav
+        elif prox is None:  # the k-th update's weights are version v + k / n
             prox = approx_prox_logprobs(behav, logp, mb.versions.to(dev), float(self.version),
                                         self.version + k / n_updates, mask)
         return decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, self.algo, normaliser=norm,
