@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from hpcrl.rollout.engine import InferenceEngine, Request, SamplingParams
 from hpcrl.rollout.torch_engine import TorchEngine
@@ -212,3 +212,80 @@ def test_cache_does_not_grow_without_bound():
         if engine.num_running():
             cache_len = engine._cache.layers[0].keys.shape[-2]
             assert cache_len <= 4 + 3
+
+
+def test_batched_admission_gives_the_same_outputs_with_fewer_prefills():
+    """min_admit only changes when rows enter the batch: greedy outputs stay the same, prefills drop."""
+    model = tiny_model(5)
+    reqs = [Request(i, p, max_new_tokens=2 + i % 5) for i, p in enumerate(prompts(16, seed=9))]
+
+    def run(min_admit: int) -> tuple[list, int]:
+        engine = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=4, min_admit=min_admit,
+                             sampling=SamplingParams(max_new_tokens=8, greedy=True))
+        for r in reqs:
+            engine.add(r)
+        done = []
+        while engine.num_running() or engine.num_waiting():
+            running, waiting = engine.num_running(), engine.num_waiting()
+            done += engine.step()
+            admitted = waiting - engine.num_waiting()
+            if running and admitted:  # rows only join a running batch a worthwhile number at a time
+                assert admitted >= min(min_admit, waiting)
+        return sorted((c.id, c.output_ids, [round(x, 4) for x in c.logprobs]) for c in done), \
+            engine.stats["prefill_calls"]
+
+    one, calls_one = run(1)
+    three, calls_three = run(3)
+    assert one == three and len(one) == 16
+    assert calls_three < calls_one
+    with pytest.raises(ValueError, match="^min_admit: must be in"):
+        TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=4, min_admit=5)
+
+
+def test_keep_cache_on_update_samples_new_weights_over_the_old_cache():
+    """kv_on_update=keep: no rebuild prefill; the next token comes from the new weights reading the
+    keys/values the old weights computed, and its logprob is exactly that distribution's."""
+    model_a, model_b = tiny_model(3), tiny_model(4)
+    state_b = {k: v.clone() for k, v in model_b.state_dict().items() if k != "lm_head.weight"}
+    p, k = prompts(1, seed=3, lo=5, hi=5)[0], 3
+    engine = TorchEngine(tiny_model(3), eos_token_id=-1, pad_token_id=PAD, keep_cache_on_update=True,
+                         sampling=SamplingParams(max_new_tokens=6, greedy=True))
+    engine.add(Request(0, p))
+    for _ in range(k):
+        assert engine.step() == []
+    calls = engine.stats["prefill_calls"]
+    engine.update_weights(state_b, version=1)
+    assert engine.stats["prefill_calls"] == calls and engine.stats["rebuild_prefill_s"] == 0.0
+    comps = []
+    while engine.num_running():
+        comps += engine.step()
+    (c,) = comps
+    assert c.versions == [0] * k + [1] * (6 - k)
+    context = p + c.output_ids[:k]
+    cache = DynamicCache(config=model_a.config)
+    with torch.no_grad():
+        model_a(input_ids=torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+        out = model_b(input_ids=torch.tensor([context[-1:]]), position_ids=torch.tensor([[len(context) - 1]]),
+                      past_key_values=cache, use_cache=True)
+    logp = torch.log_softmax(out.logits[0, -1], dim=-1)
+    assert c.output_ids[k] == int(logp.argmax())
+    assert abs(c.logprobs[k] - float(logp[c.output_ids[k]])) < 1e-4
+    rebuilt = full_logprobs(model_b, context, c.output_ids[k:k + 1])[0]
+    assert abs(rebuilt - c.logprobs[k]) > 1e-3  # the kept cache really is the old one (guard)
+
+
+def test_a_prompt_group_is_prefilled_once_and_matches_separate_prefills():
+    """8 samples of one prompt: one row of prefill work, the same sampled outputs as distinct prompts give."""
+    model = tiny_model(8)
+    p = prompts(1, seed=8, lo=6, hi=6)[0]
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+    shared = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=8, seed=1, sampling=sampling)
+    outs = shared.generate([Request(i, list(p)) for i in range(8)])
+    assert shared.stats["prefill_tokens"] == len(p) - 1  # one context computed, copied to 8 rows
+    # the same rows with the prefix shared disabled (each row prefilled): identical tokens and logprobs
+    separate = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=8, seed=1, sampling=sampling)
+    separate._prefill_shared = separate._prefill
+    ref = separate.generate([Request(i, list(p)) for i in range(8)])
+    assert [c.output_ids for c in outs] == [c.output_ids for c in ref]
+    assert max(abs(a - b) for c, d in zip(outs, ref) for a, b in zip(c.logprobs, d.logprobs)) < 1e-5
+    assert len({tuple(c.output_ids) for c in outs}) > 1  # sampled rows diverge: the copies are independent

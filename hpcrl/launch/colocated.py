@@ -26,7 +26,7 @@ from hpcrl.launch.heartbeat import Heartbeat
 from hpcrl.launch.logs import setup_logging
 from hpcrl.launch.prepare import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
-from hpcrl.rollout.main import build_worker
+from hpcrl.rollout.main import build_worker, write_stats
 from hpcrl.trainer.fsdp import FSDPEngine
 from hpcrl.trainer.main import build_rank0, resume, train_loop
 from hpcrl.weights.transport import DiskWeights
@@ -60,6 +60,7 @@ def run(run_dir: Path) -> None:
         train_loop(cfg, ctx, engine, feed, reporter, worker.engine.update_weights, wait=wait, heartbeat=heartbeat,
                    checkpointer=checkpointer, start_version=start)
         atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
+        write_stats(run_dir / "logs" / "colocated.stats.json", worker)
     finally:
         reporter.close()
         runner.close()

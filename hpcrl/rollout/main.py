@@ -46,7 +46,9 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                          max_batch_size=cfg.rollout.max_batch_size,
                          sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature),
-                         seed=cfg.seed * 1000 + replica)
+                         seed=cfg.seed * 1000 + replica,
+                         min_admit=cfg.rollout.admit_min_free or cfg.rollout.group_size,
+                         keep_cache_on_update=cfg.rollout.kv_on_update == "keep")
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=Spool(run_dir / "spool"), reward=RewardRunner(cfg.reward),
@@ -80,12 +82,17 @@ def run(run_dir: Path, replica: int) -> None:
         worker.reward.close()
         weights.close()
     s = worker.stats
-    transfer = getattr(weights, "stats", None)
-    atomic.write_json(run_dir / "logs" / f"rollout-{replica}.stats.json",
-                      {**asdict(s), "wall_s": time.time() - s.started,
-                       "transfer": asdict(transfer) if transfer is not None else None})
+    write_stats(run_dir / "logs" / f"rollout-{replica}.stats.json", worker, getattr(weights, "stats", None))
     log.info("rollout %d done: %d groups, %d samples, %d tokens, %d restarted, %d weight updates", replica,
              s.groups_published, s.samples_generated, s.tokens_generated, s.samples_restarted, s.weight_updates)
+
+
+def write_stats(path: Path, worker: RolloutWorker, transfer=None) -> None:
+    """The worker's counters and time split, the engine's (prefill, rebuild, decode) and the transfer's."""
+    engine = getattr(worker.engine, "stats", None)
+    atomic.write_json(path, {**asdict(worker.stats), "wall_s": time.time() - worker.stats.started,
+                             "engine": dict(engine) if engine is not None else None,
+                             "transfer": asdict(transfer) if transfer is not None else None})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,13 +20,27 @@ attention mask and position ids are derived from ``n_i`` with no device sync.
 - ``update_weights`` loads the new weights and rebuilds the whole cache by
   the same prefill of ``tokens[:-1]`` (the old cache is wrong under new
   weights); the pending token stays the next input, so no token is lost or
-  recomputed, and tokens sampled afterwards carry the new version.
+  recomputed, and tokens sampled afterwards carry the new version. With
+  ``keep_cache_on_update`` the old cache is kept instead (PipelineRL's
+  in-flight update): no prefill, and later tokens are sampled by the new
+  weights over keys/values the old ones computed. Their logprobs are still
+  exactly the probabilities they were sampled with, which is what the
+  decoupled PPO correction needs; they just no longer equal a fresh
+  new-weight model's.
+
+Admission is batched: waiting requests enter only when ``min_admit`` slots
+are free (or all of them fit, or nothing runs), so each prefill forward
+serves several rows instead of one or two per decode step. Rows with the
+same context (the samples of one prompt group) are prefilled once and the
+cache row is copied. ``stats`` keeps
+the time spent in prefill for admission, cache rebuilds and decode steps.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
@@ -91,9 +105,14 @@ class TorchEngine:
         sampling: SamplingParams = SamplingParams(),
         version: int = 0,
         seed: int = 0,
+        min_admit: int = 1,
+        keep_cache_on_update: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+        if not 1 <= min_admit <= max_batch_size:
+            raise ValueError(f"min_admit: must be in [1, max_batch_size={max_batch_size}], got {min_admit}")
+        self.min_admit, self.keep_cache_on_update = min_admit, keep_cache_on_update
         self.model = model.eval()
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -110,6 +129,7 @@ class TorchEngine:
         self.stats: dict[str, float] = {
             "tokens_generated": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_calls": 0,
             "weight_updates": 0, "running_sum": 0, "mean_running_batch_size": 0.0,
+            "admit_prefill_s": 0.0, "rebuild_prefill_s": 0.0, "decode_s": 0.0,
         }
 
     def _check_cache_layers(self) -> None:
@@ -146,8 +166,12 @@ class TorchEngine:
             self.model.load_state_dict(dict(state_dict), strict=False)
         self._version = version
         self.stats["weight_updates"] += 1
+        if self.keep_cache_on_update:
+            return
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            self._cache = self._prefill([s.tokens()[:-1] for s in self._running])
+            self._cache = self._prefill_shared([s.tokens()[:-1] for s in self._running])
+        self.stats["rebuild_prefill_s"] += time.perf_counter() - t0
         logger.debug("weights now version %d; rebuilt the cache of %d running sequences",
                     version, len(self._running))
 
@@ -192,6 +216,10 @@ class TorchEngine:
     # ----------------------------------------------------------------- batching
 
     def _admit(self) -> None:
+        free = self.max_batch_size - len(self._running)
+        if not self._waiting or (self._running and free < min(self.min_admit, len(self._waiting))):
+            return  # wait until a worthwhile number of slots is free: one larger prefill, not many tiny ones
+        t0 = time.perf_counter()
         new: list[_Seq] = []
         while self._waiting and len(self._running) + len(new) < self.max_batch_size:
             r = self._waiting.popleft()
@@ -199,9 +227,10 @@ class TorchEngine:
             new.append(_Seq(r, limit))
         if not new:
             return
-        part = self._prefill([s.tokens()[:-1] for s in new])
+        part = self._prefill_shared([s.tokens()[:-1] for s in new])
         self._cache = self._merge(self._cache, len(self._running), part, len(new))
         self._running.extend(new)
+        self.stats["admit_prefill_s"] += time.perf_counter() - t0
 
     def _prefill(self, contexts: list[list[int]]) -> DynamicCache | None:
         """KV cache of left-padded `contexts`; None when all are empty."""
@@ -218,6 +247,19 @@ class TorchEngine:
                    past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.stats["prefill_tokens"] += sum(len(c) for c in contexts)
         self.stats["prefill_calls"] += 1
+        return cache
+
+    def _prefill_shared(self, contexts: list[list[int]]) -> DynamicCache | None:
+        """``_prefill`` computing each distinct context once, its cache row copied to every row that has it."""
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+        if len(distinct) == len(contexts):
+            return self._prefill(contexts)
+        cache = self._prefill([list(c) for c in distinct])
+        if cache is not None:
+            idx = torch.tensor(rows, device=self._device)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
         return cache
 
     def _merge(self, a: DynamicCache | None, rows_a: int,
@@ -249,6 +291,13 @@ class TorchEngine:
     # ----------------------------------------------------------------- decoding
 
     def _decode(self) -> list[Completion]:
+        t0 = time.perf_counter()
+        try:
+            return self._decode_step()
+        finally:
+            self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _decode_step(self) -> list[Completion]:
         seqs = self._running
         length = _cache_len(self._cache)
         cached = torch.tensor([s.cached_len() for s in seqs], device=self._device)

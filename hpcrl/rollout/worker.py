@@ -58,10 +58,12 @@ class RolloutStats:
     weight_updates: int = 0
     started: float = field(default_factory=time.time)
     # seconds spent in each part of pump(): engine steps (busy), weights (poll + transfer + cache
-    # rebuild), admission (ledger tickets), spool (writing published groups, inside the busy time)
+    # rebuild), admission (ledger tickets), reward and spool (scoring and writing published groups,
+    # inside the busy time)
     busy_s: float = 0.0
     weights_s: float = 0.0
     admit_s: float = 0.0
+    reward_s: float = 0.0
     spool_s: float = 0.0
 
 
@@ -172,6 +174,7 @@ class RolloutWorker:
     def _publish(self, group: _Group) -> None:
         texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in group.done]
         row = group.row
+        t0 = time.perf_counter()
         results = self.reward.score_many([(row.prompt, t, {"answer": row.answer, **row.extra}) for t in texts])
         samples = [Sample(response_ids=np.asarray(c.output_ids, np.int32),
                           behav_logprobs=np.asarray(c.logprobs, np.float32),
@@ -179,6 +182,7 @@ class RolloutWorker:
                           loss_mask=np.ones(len(c.output_ids), np.uint8),
                           reward=float(r.reward), finish_reason=c.finish_reason)
                    for c, r in zip(group.done, results)]
+        self.stats.reward_s += time.perf_counter() - t0
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
         t0 = time.perf_counter()
