@@ -165,3 +165,51 @@ def test_plain_ppo_anchors_on_the_behaviour_policy(tmp_path) -> None:
     assert weight and all(v == 1.0 for v in weight.values()), plain["stats"]
     assert any(v != 1.0 for k, v in dec["stats"].items() if "imp_weight_m" in k), dec["stats"]
     assert max((plain["state"][k] - dec["state"][k]).abs().max().item() for k in plain["state"]) > 1e-6
+
+
+def _prox_rank(model_path, out, n_minibatches: int, reuse: bool) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    from hpcrl.launch.dist import init_from_env
+    from hpcrl.trainer.fsdp import FSDPEngine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=1, total_steps=2, lr=1e-2, warmup_steps=0, n_minibatches=n_minibatches)
+    engine = FSDPEngine(model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    if not reuse:  # the reference: a no-grad proximal pass before every update
+        engine._prox_in_forward = lambda k: False
+    passes = []
+    prepare = engine._prepare
+    engine._prepare = lambda mb, prox=True: passes.append(prox) or prepare(mb, prox)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())  # off-policy behaviour
+    stats = [engine.train_step(seqs) for _ in range(2)]
+    torch.save({"stats": stats, "prox_passes": sum(passes), "micro_batches": len(passes),
+                "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("n_minibatches", [1, 2])
+def test_first_update_takes_proximal_logprobs_from_its_own_forward(tmp_path, n_minibatches) -> None:
+    """Skipping the no-grad proximal pass of the first update changes nothing but the work done."""
+    model_path = tmp_path / "model"
+    _tiny_model(model_path)
+    ctx = mp.get_context("spawn")
+    for reuse in (True, False):
+        p = ctx.Process(target=_prox_rank, args=(model_path, tmp_path / f"{reuse}.pt", n_minibatches, reuse))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+    fast, ref = torch.load(tmp_path / "True.pt"), torch.load(tmp_path / "False.pt")
+    assert ref["prox_passes"] == ref["micro_batches"]
+    skipped = ref["prox_passes"] - fast["prox_passes"]  # the first update's micro-batches, each step
+    if n_minibatches == 1:
+        assert skipped == fast["micro_batches"]
+    else:
+        assert 0 < skipped < fast["micro_batches"]
+    for a, b in zip(fast["stats"], ref["stats"]):
+        for key in b:
+            if key.startswith("time/"):
+                continue
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    for k in ref["state"]:
+        torch.testing.assert_close(fast["state"][k], ref["state"][k], atol=1e-6, rtol=1e-5)

@@ -5,7 +5,8 @@ with ``fully_shard``, create AdamW and the LR schedule; a frozen reference
 model when a KL term is on; a critic with its own AdamW for
 ``adv_estimator: gae``) -> for each step, :meth:`FSDPEngine.train_step`:
 (1) no-grad passes over the whole step batch: proximal logprobs (skipped with
-``prox_approx``), reference logprobs, critic values; (2) token-level
+``prox_approx``, for plain PPO, and for the first update, whose own forward
+pass runs the step-start weights), reference logprobs, critic values; (2) token-level
 advantages (KL reward penalty, GAE/returns, whitening with moments summed over
 all ranks) for token-level estimators; (3) ``n_minibatches`` optimizer updates
 of the decoupled PPO loss (+ KL loss term, entropy bonus) and the clipped
@@ -144,7 +145,8 @@ class FSDPEngine:
         t0 = time.perf_counter()
         minibatches = [self._micro_batches(mb) for mb in B.split_minibatches(seqs, self.cfg.n_minibatches)]
         with torch.no_grad():
-            aux = [[self._prepare(mb) for mb in mbs] for mbs in minibatches]
+            aux = [[self._prepare(mb, prox=not self._prox_in_forward(k)) for mb in mbs]
+                   for k, mbs in enumerate(minibatches)]
         stats = self._token_advantages(minibatches, aux) if self.algo.token_level_advantages else {}
         stats.update(self._advantage_stats([mb for mbs in minibatches for mb in mbs]))
         stats["time/prepare_s"] = time.perf_counter() - t0
@@ -154,10 +156,24 @@ class FSDPEngine:
         self.version += 1
         return stats
 
-    def _prepare(self, mb: B.MicroBatch) -> dict[str, torch.Tensor]:
-        """No-grad passes of one micro-batch: proximal and reference logprobs, critic values."""
+    def _prox_in_forward(self, k: int) -> bool:
+        """Whether update ``k`` takes the proximal logprobs from its own forward pass.
+
+        The proximal policy is the one at the start of the step. The first
+        update's forward runs those very weights on the same tokens, so its
+        detached logprobs are the proximal ones and a separate no-grad pass
+        (a third of the step's compute at one update per step) is skipped.
+        Later updates run moved weights and need the pass; so does a KL
+        penalty folded into the reward, which reads the proximal logprobs
+        before any update.
+        """
+        return (k == 0 and self.algo.decoupled and not self.algo.prox_approx
+                and not (self.algo.kl_mode == "reward" and self.algo.kl_coef > 0))
+
+    def _prepare(self, mb: B.MicroBatch, prox: bool = True) -> dict[str, torch.Tensor]:
+        """No-grad passes of one micro-batch: proximal (if ``prox``) and reference logprobs, critic values."""
         aux = {}
-        if self.algo.decoupled and not self.algo.prox_approx:
+        if prox and self.algo.decoupled and not self.algo.prox_approx:
             aux["prox"] = self._logprobs(mb)
         if self.ref_model is not None:
             aux["ref"] = self._logprobs(mb, self.ref_model)
@@ -252,6 +268,8 @@ class FSDPEngine:
         prox = aux.get("prox")
         if not self.algo.decoupled:  # plain PPO: the behaviour policy is the anchor, every weight is 1
             prox = behav
+        elif prox is None and self._prox_in_forward(k):  # these are the step-start weights
+            prox = logp.detach()
         elif prox is None:  # the k-th update's weights are version v + k / n
             prox = approx_prox_logprobs(behav, logp, mb.versions.to(dev), float(self.version),
                                         self.version + k / n_updates, mask)
