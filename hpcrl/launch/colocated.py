@@ -64,6 +64,7 @@ def run(run_dir: Path) -> None:
     finally:
         reporter.close()
         runner.close()
+        worker.close()
         worker.reward.close()
         dist.destroy_process_group()
 

@@ -75,10 +75,12 @@ def run(run_dir: Path, replica: int) -> None:
     log.info("rollout %d started (writer %s, %d train rows)", replica, writer, len(worker.rows))
     try:
         worker.run(should_stop)
+        worker.flush()  # every finished group reaches the spool before the process goes
         if preempt.requested:
             log.warning("stopping on signal: %d unfinished groups handed back", worker.release_unfinished())
             raise SystemExit(EXIT_REQUEUE)
     finally:
+        worker.close()
         worker.reward.close()
         weights.close()
     s = worker.stats

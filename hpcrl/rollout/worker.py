@@ -5,7 +5,9 @@ ledger under the staleness bound (using the version of the weights this
 worker generates with) -> ``group_size`` requests enter the engine, whose
 continuous batching keeps every slot busy -> when all samples are done they
 are scored by the reward runner -> the group is published atomically to the
-spool as one HDF5 file.
+spool as one HDF5 file, by a writer thread while generation goes on
+(:mod:`hpcrl.rollout.publisher`; :meth:`RolloutWorker.flush` waits for it,
+:meth:`RolloutWorker.close` stops it).
 
 Ordering rules, checked at every :meth:`RolloutWorker.pump`:
 
@@ -34,6 +36,7 @@ from hpcrl.model.hf_io import encode_prompt
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
+from hpcrl.rollout.publisher import BackgroundPublisher
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
 from hpcrl.weights.transport import WeightTransport
@@ -58,13 +61,15 @@ class RolloutStats:
     weight_updates: int = 0
     started: float = field(default_factory=time.time)
     # seconds spent in each part of pump(): engine steps (busy), weights (poll + transfer + cache
-    # rebuild), admission (ledger tickets), reward and spool (scoring and writing published groups,
-    # inside the busy time)
+    # rebuild), admission (ledger tickets), reward and spool (scoring, and handing published groups
+    # to the writer thread or waiting for it, inside the busy time)
     busy_s: float = 0.0
     weights_s: float = 0.0
     admit_s: float = 0.0
     reward_s: float = 0.0
     spool_s: float = 0.0
+    # seconds the writer thread spent publishing (overlapped with generation)
+    spool_write_s: float = 0.0
 
 
 class RolloutWorker:
@@ -77,6 +82,7 @@ class RolloutWorker:
         self.writer, self.chat_template = writer, chat_template
         self.groups: dict[int, _Group] = {}
         self.stats = RolloutStats()
+        self.publisher = BackgroundPublisher(spool, self._published)
 
     def run(self, should_stop: Callable[[], bool], on_idle: Callable[[], None] | None = None) -> None:
         """Pump until ``should_stop()``; sleep briefly whenever there is nothing to do."""
@@ -85,6 +91,16 @@ class RolloutWorker:
                 if on_idle:
                     on_idle()
                 time.sleep(self.cfg.poll_interval_s)
+
+    def flush(self) -> None:
+        """Wait until every finished group is in the spool (raises a failed write)."""
+        t0 = time.perf_counter()
+        self.publisher.drain()
+        self.stats.spool_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Publish what is pending and stop the writer thread."""
+        self.publisher.close()
 
     def release_unfinished(self) -> int:
         """Hand the tickets of unfinished groups back to the ledger (graceful exit); returns the count."""
@@ -103,6 +119,9 @@ class RolloutWorker:
         self.stats.weights_s += t1 - t0
         self.stats.admit_s += t2 - t1
         if self.engine.num_running() == 0 and self.engine.num_waiting() == 0:
+            if self.publisher.pending:  # nothing to generate: make what is finished visible
+                self.flush()
+                return True
             return False
         for completion in self.engine.step():
             self._collect(completion)
@@ -186,8 +205,11 @@ class RolloutWorker:
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
         t0 = time.perf_counter()
-        self.spool.publish(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
-                                           prompt_ids=np.asarray(group.prompt_ids, np.int32),
-                                           samples=samples, meta=meta))
+        self.publisher.submit(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
+                                              prompt_ids=np.asarray(group.prompt_ids, np.int32),
+                                              samples=samples, meta=meta))
         self.stats.spool_s += time.perf_counter() - t0
+
+    def _published(self, group: TrajectoryGroup, seconds: float) -> None:  # on the writer thread
+        self.stats.spool_write_s += seconds
         self.stats.groups_published += 1
