@@ -9,7 +9,6 @@ distinct ranks.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import shutil
 import subprocess

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
