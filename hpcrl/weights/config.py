@@ -16,7 +16,7 @@ class WeightsConfig:
     collective_timeout_s: float = 120.0  # collective: timeout of the store and of one transfer
     join_timeout_s: float = 30.0  # collective: a member that does not answer a re-formation within this is dropped
     rendezvous_timeout_s: float = 600.0  # collective: how long a rollout waits for the trainer to admit it
-    collective_poll_s: float = 0.02  # collective: host thread's polling period for joins and leaves
+    collective_poll_s: float = 0.02  # collective: how often the host thread looks for joins and leaves, and a rollout for a new version
 
     def __post_init__(self) -> None:
         if self.keep_last < 2:
