@@ -9,13 +9,17 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
   training, eta = 0 (synchronous RL), with 1 and with 2 torch threads;
 * ``disagg_eta0``: trainer and rollout as separate processes, eta = 0;
 * ``async_eta{1,2,4,8}``: eta >= 1, collective weight transport;
-* ``async_eta2_disk``: eta = 2 with disk weight transport (the fallback).
+* ``async_eta2_disk``: eta = 2 with disk weight transport (the fallback);
+* ``async_eta4_keepkv``: eta = 4, in-flight sequences keep their KV cache
+  across weight updates (``rollout.kv_on_update=keep``, no rebuild prefill).
 
 For each run it reports trained samples/s and tokens/s and their ratio to
 ``colocated_t1`` and to the better colocated run, busy fractions of the
 rollout engine and of the trainer, the share of trainer wall time spent
 publishing weights, the spool + admission overhead, and the staleness
-histogram of the trained tokens. Writes ``bench/results.json`` and
+histogram of the trained tokens, and where the generating process's time goes
+(decode, prefill of admitted rows, cache rebuild after new weights, reward,
+spool writing, admission ledger, weight transfer, idle). Writes ``bench/results.json`` and
 ``bench/results.png`` (needs the optional extra ``bench``: matplotlib).
 Extra ``key=value`` arguments go to every run.
 """
@@ -24,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench import ROOT, pyplot, submit
+
 TASK = ["data.synthetic=reverse", "rollout.max_new_tokens=26", "sft.target_accuracy=0.2", "eval.at_start=false",
         "eval.every_steps=0", "eval.size=100"]
 MODES = {
@@ -43,17 +47,15 @@ MODES = {
     "async_eta4": ["admission.max_staleness=4", "weights.mode=collective"],
     "async_eta8": ["admission.max_staleness=8", "weights.mode=collective"],
     "async_eta2_disk": ["admission.max_staleness=2", "weights.mode=disk"],
+    "async_eta4_keepkv": ["admission.max_staleness=4", "weights.mode=collective", "rollout.kv_on_update=keep"],
 }
+# where a rollout's (or the colocated process's generation) wall time goes, from its stats file
+PHASES = ("decode", "admit_prefill", "rebuild_prefill", "reward", "spool_write", "ledger", "weights_transfer",
+          "other_busy", "idle")
 
 
 def run_mode(name: str, extra: list[str], steps: int, workdir: Path) -> Path:
-    run_dir = workdir / name
-    cmd = [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
-           f"run_dir={run_dir}", f"trainer.total_steps={steps}", *TASK, *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return run_dir
+    return submit(workdir / name, [f"trainer.total_steps={steps}", *TASK, *extra], name)
 
 
 def spool_scan(run_dir: Path) -> tuple[Counter, float, int]:
@@ -62,15 +64,17 @@ def spool_scan(run_dir: Path) -> tuple[Counter, float, int]:
     from hpcrl.spool.format import read_group
 
     hist: Counter = Counter()
-    t0, n = time.perf_counter(), 0
+    read_s, n = 0.0, 0
     for step_dir in sorted((run_dir / "spool" / "trained").glob("step_*")):
         step = int(step_dir.name.split("_")[1])
         for f in step_dir.glob("*.h5"):
+            t0 = time.perf_counter()
             g = read_group(f)
+            read_s += time.perf_counter() - t0
             n += 1
             for s in g.samples:
                 hist.update((step - s.versions).tolist())
-    return hist, time.perf_counter() - t0, n
+    return hist, read_s, n
 
 
 def analyse(run_dir: Path) -> dict:
@@ -94,24 +98,38 @@ def analyse(run_dir: Path) -> dict:
         out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]
         out["rollout_transfer"] = rs.get("transfer")
+        out["rollout_time_split"] = time_split(rs, rs["wall_s"])
     else:  # colocated: the process generates exactly while the trainer loop waits for its batch
         out["rollout_busy"] = tot["wait"] / loop
         out["rollout_admit_spool_share"] = None
+        colo = run_dir / "logs" / "colocated.stats.json"
+        if colo.exists():  # shares of the generating time (the trainer loop's waits)
+            out["rollout_time_split"] = time_split(json.loads(colo.read_text()), tot["wait"])
     out["spool_admission_share"] = out["commit_share"] + out["spool_read_share"]
     return out
 
 
+def time_split(rs: dict, wall: float) -> dict:
+    """Shares of ``wall`` per phase (PHASES) from a rollout stats file (hpcrl.rollout.main.write_stats)."""
+    e = rs.get("engine") or {}
+    busy = rs["busy_s"]
+    split = {"decode": e.get("decode_s", 0.0), "admit_prefill": e.get("admit_prefill_s", 0.0),
+             "rebuild_prefill": e.get("rebuild_prefill_s", 0.0), "reward": rs.get("reward_s", 0.0),
+             "spool_write": rs["spool_s"], "ledger": rs["admit_s"]}
+    split["weights_transfer"] = max(0.0, rs["weights_s"] - split["rebuild_prefill"])
+    split["other_busy"] = max(0.0, busy - split["decode"] - split["admit_prefill"] - split["reward"]
+                              - split["spool_write"])
+    split["idle"] = max(0.0, wall - busy - rs["weights_s"] - rs["admit_s"])
+    return {k: split[k] / wall for k in PHASES}
+
+
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    axes[0].bar(names, [results[n]["ratio_samples"] for n in names])
+    axes[0].bar(names, [results[n]["ratio_samples"] or 0.0 for n in names])
     axes[0].axhline(2.77, color="r", ls="--", label="2.77x target")
     axes[0].set_ylabel("trained samples/s / colocated_t1")
     axes[0].legend()
@@ -150,7 +168,10 @@ def main() -> None:
             r["wall_s"] = time.time() - t0
             print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
                   f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
-                  f"  wall {r['wall_s']:.0f}s", flush=True)
+                  f"  spool+admission {100 * r['spool_admission_share']:.1f}%  wall {r['wall_s']:.0f}s", flush=True)
+            split = r.get("rollout_time_split")
+            if split:
+                print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)
     colo = [results[n]["samples_per_s"] for n in ("colocated_t1", "colocated_t2") if n in results]
     base, best_colo = (colo[0], max(colo)) if colo else (None, None)
     base_tok = results.get("colocated_t1", {}).get("tokens_per_s")
