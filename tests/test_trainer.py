@@ -83,13 +83,13 @@ def _tiny_model(path) -> None:
     Qwen3ForCausalLM(cfg).save_pretrained(path)
 
 
-def _train_rank(rank, world, port, model_path, out, micro_tokens) -> None:
+def _train_rank(rank, world, port, model_path, out, micro_tokens, backend="gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from hpcrl.launch.dist import init_from_env
     from hpcrl.trainer.fsdp import FSDPEngine
 
-    ctx = init_from_env("gloo")
+    ctx = init_from_env(backend)
     cfg = TrainerConfig(world_size=world, total_steps=2, lr=1e-2, warmup_steps=0, micro_batch_tokens=micro_tokens,
                         n_minibatches=2)
     engine = FSDPEngine(model_path, cfg, AlgoConfig(), ctx, pad_id=0)
@@ -102,14 +102,14 @@ def _train_rank(rank, world, port, model_path, out, micro_tokens) -> None:
         engine.train_step(seqs)
     state = engine.full_state_dict()
     if rank == 0:
-        torch.save({k: v.clone() for k, v in state.items()}, out)
+        torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, out)
     torch.distributed.destroy_process_group()
 
 
-def _run(world, model_path, out, micro_tokens) -> None:
+def _run(world, model_path, out, micro_tokens, backend="gloo") -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_train_rank, args=(r, world, port, model_path, out, micro_tokens))
+    procs = [ctx.Process(target=_train_rank, args=(r, world, port, model_path, out, micro_tokens, backend))
              for r in range(world)]
     for p in procs:
         p.start()
