@@ -21,9 +21,24 @@ pytestmark = pytest.mark.slurm
 PROBE = str(Path(__file__).parent / "rank_probe.py")
 
 
+def json_objects(text: str) -> list[dict]:
+    """Every JSON object in ``text``: mpirun forwards each rank's output in chunks of its own choosing, so
+    two ranks' lines can arrive glued together (``{...}{...}``) or split."""
+    decoder, found, i = json.JSONDecoder(), [], text.find("{")
+    while i >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            end = i + 1
+        else:
+            found.append(obj)
+        i = text.find("{", end)
+    return found
+
+
 def check_two_ranks(proc: subprocess.CompletedProcess, source: str) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    reports = sorted((json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda r: r["rank"])
+    reports = sorted(json_objects(proc.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1], proc.stdout
     for r in reports:
         assert (r["world"], r["sum"], r["backend"], r["source"]) == (2, 3.0, "gloo", source)
