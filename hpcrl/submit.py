@@ -6,6 +6,9 @@ resumes from its newest valid checkpoint and the rollouts from the ledger.
 On SIGUSR2/SIGTERM (walltime or preemption of the job it runs in) every
 component checkpoints and stops; inside a requeueable Slurm job the job is
 requeued (``sbatch/run_async_ppo.sh`` then resumes), and the exit code is 75.
+On SIGINT (Ctrl-C, also when started in the background where the shell
+ignores it) every component is killed at once and the exit code is 130; the
+run resumes from its last periodic checkpoint.
 
 Order: load and validate the config (any error names its key and exits 2
 before anything is created) -> create the run directory and freeze the
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("submit")
     started = time.time()
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Ctrl-C or `kill -INT` stops the run even when a script started it in the background: the shell
+        # then leaves SIGINT ignored, Python keeps that, and the run would go on unstoppable by it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     preempt = PreemptionFlag()  # before anything slow: Slurm may signal a short job within seconds
     try:
         cfg = open_resumed(args.resume, args.overrides) if args.resume else \

@@ -121,14 +121,16 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     """Ctrl-C kills every component; SIGUSR2 (walltime of the supervisor's job) makes every component
     checkpoint and stop first (exit 75). Either way ``--resume`` finishes the run, exactly once."""
     run = tmp_path / "stopped"
-    steps = 1500  # at ~55 steps/s: the stop at step 60 comes long before the end, also on a busy machine
+    steps = 400
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
                              *submit_args(run, cache, f"trainer.total_steps={steps}",
                                           # SIGUSR2 must checkpoint by itself; Ctrl-C resumes from a periodic one
                                           f"ckpt.every_steps={10 * steps if sig == signal.SIGUSR2 else 20}",
                                           "eval.every_steps=0")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+                            # as a script's background job gets it: SIGINT ignored; hpcrl.submit must take it back
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 120
     while not any(r.get("step", 0) >= 60 for r in read_metrics(run / "logs/metrics.jsonl")):
         assert time.time() < deadline and proc.poll() is None
