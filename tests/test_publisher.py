@@ -33,11 +33,16 @@ def test_every_submitted_group_is_published_after_drain(tmp_path: Path) -> None:
         pub.submit(groups[0])
 
 
-def test_close_publishes_what_is_pending(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "spool")
-    gate = threading.Event()
+def gated_spool(tmp_path: Path) -> tuple[Spool, threading.Event]:
+    """A spool whose publish waits until the returned event is set."""
+    spool, gate = Spool(tmp_path / "spool"), threading.Event()
     publish = spool.publish
     spool.publish = lambda g: gate.wait() and publish(g)
+    return spool, gate
+
+
+def test_close_publishes_what_is_pending(tmp_path: Path) -> None:
+    spool, gate = gated_spool(tmp_path)
     pub = BackgroundPublisher(spool, max_pending=8)
     for t in range(5):
         pub.submit(make_group(ticket=t))
@@ -48,10 +53,7 @@ def test_close_publishes_what_is_pending(tmp_path: Path) -> None:
 
 
 def test_submit_blocks_while_max_pending_groups_wait(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "spool")
-    gate = threading.Event()
-    publish = spool.publish
-    spool.publish = lambda g: gate.wait() and publish(g)
+    spool, gate = gated_spool(tmp_path)
     pub = BackgroundPublisher(spool, max_pending=2)
     pub.submit(make_group(ticket=0))  # taken by the writer, which waits on the gate
     pub.submit(make_group(ticket=1))

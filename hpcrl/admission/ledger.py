@@ -51,12 +51,8 @@ def create_exclusive(path: Path, record: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    data = memoryview(json.dumps({**record, "time": time.time()}).encode())
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-    finally:
-        os.close(fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps({**record, "time": time.time()}).encode())
     return True
 
 

@@ -82,7 +82,8 @@ def encode(attrs: Mapping[str, int | str], datasets: Mapping[str, np.ndarray]) -
             _write_attr(fid, key, value)
         for key, arr in datasets.items():
             arr = np.ascontiguousarray(arr)
-            assert arr.ndim == 1, key
+            if arr.ndim != 1:
+                raise ValueError(f"dataset {key!r}: spool datasets are 1-D, got shape {arr.shape}")
             tid = h5type(arr.dtype)
             ds = h5d.create(fid, key.encode(), tid, h5s.create_simple(arr.shape))
             if arr.size:
