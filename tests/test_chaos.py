@@ -36,8 +36,8 @@ def test_twenty_kills_lose_nothing(tmp_path) -> None:
 def test_trainer_kills_with_collective_weights(tmp_path) -> None:
     """Rollouts keep generating through trainer restarts and rejoin the new trainer's group."""
     chaos = load_chaos()
-    report = chaos.main(["--kills", "4", "--steps", "250", "--only", "trainer", "--run-dir", str(tmp_path / "run"),
+    report = chaos.main(["--kills", "4", "--steps", "600", "--only", "trainer", "--run-dir", str(tmp_path / "run"),
                          "--cache", str(tmp_path / "cache"), "--seed", "3", "weights.mode=collective"])
     assert report["exit_code"] == 0 and report["violations"] == []
     assert report["victims"].keys() == {"trainer-r0"} and report["restarts"] >= 4
-    assert report["steps"] == 250 and report["unfinished"] == 0
+    assert report["steps"] == 600 and report["unfinished"] == 0
