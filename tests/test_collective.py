@@ -95,6 +95,15 @@ def test_layout_roundtrip_many_buckets() -> None:
     assert back.keys() == s.keys() and all(torch.equal(back[k], s[k]) for k in s)
 
 
+def test_layout_sends_a_tied_alias_once_and_unpacks_it_under_both_names() -> None:
+    emb, other = torch.randn(10, 4), torch.randn(4, 4)
+    s = {"embed.weight": emb, "layer.weight": other, "lm_head.weight": emb}
+    layout = Layout.of(s, bucket_bytes=1 << 20)
+    assert sum(n for _, n in layout.buckets) == emb.numel() + other.numel()
+    back = Layout.from_json(layout.to_json()).unpack(layout.pack(s, torch.device("cpu")))
+    assert back.keys() == s.keys() and torch.equal(back["lm_head.weight"], emb)
+
+
 def test_member_joining_mid_run_gets_current_weights_bit_identical(tmp_path) -> None:
     ctx = mp.get_context("spawn")
     root, disk = tmp_path / "weights", tmp_path / "disk"

@@ -11,6 +11,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from hpcrl.rollout.engine import InferenceEngine, Request, SamplingParams
 from hpcrl.rollout.torch_engine import TorchEngine
+from hpcrl.weights.version import WeightVersion
 
 torch.set_num_threads(1)
 PAD, EOS, VOCAB = 0, 1, 40
@@ -111,15 +112,15 @@ def test_interruption_matches_fresh_engine_under_new_weights():
     ps = prompts(4, seed=3, lo=2, hi=7)
     engine = TorchEngine(tiny_model(3), eos_token_id=-1, pad_token_id=PAD, max_batch_size=4, sampling=sampling)
     for i, p in enumerate(ps):
-        engine.add(Request(i, p))
+        engine.submit(Request(i, p))
     k = 4
     for _ in range(k):
-        assert engine.step() == []
-    engine.update_weights(state_b, version=1)
+        assert engine.poll() == []
+    engine.update_weights(WeightVersion(1, state=state_b))
     assert engine.version == 1
     comps = {}
     while engine.num_running():
-        comps.update({c.id: c for c in engine.step()})
+        comps.update({c.id: c for c in engine.poll()})
     for i, p in enumerate(ps):
         c = comps[i]
         before, after = c.output_ids[:k], c.output_ids[k:]
@@ -145,10 +146,10 @@ def test_update_weights_rejects_bad_state_dict():
     engine = TorchEngine(tiny_model(0), eos_token_id=EOS, pad_token_id=PAD)
     good = tiny_model(1).state_dict()
     with pytest.raises(ValueError, match="^state_dict: unexpected"):
-        engine.update_weights({**good, "nope.weight": torch.zeros(1)}, 1)
+        engine.update_weights(WeightVersion(1, state={**good, "nope.weight": torch.zeros(1)}))
     partial = {k: v for k, v in good.items() if "layers.0.mlp" not in k}
     with pytest.raises(ValueError, match="^state_dict: missing"):
-        engine.update_weights(partial, 1)
+        engine.update_weights(WeightVersion(1, state=partial))
     assert engine.version == 0
 
 
@@ -160,12 +161,12 @@ def test_slot_refilled_next_step_and_sampling_reproducible():
         engine = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=3, seed=seed,
                              sampling=SamplingParams(max_new_tokens=8, temperature=1.3))
         for i, p in enumerate(ps):
-            engine.add(Request(i, p, max_new_tokens=2 + i % 5))
+            engine.submit(Request(i, p, max_new_tokens=2 + i % 5))
         done, freed_while_waiting = [], 0
         while engine.num_running() or engine.num_waiting():
             free_before = 3 - engine.num_running()
             waiting_before = engine.num_waiting()
-            finished = engine.step()
+            finished = engine.poll()
             done += finished
             if waiting_before >= free_before:
                 # every step that had requests waiting ran a full batch: freed slots were refilled
@@ -206,9 +207,9 @@ def test_cache_does_not_grow_without_bound():
     engine = TorchEngine(model, eos_token_id=-1, pad_token_id=PAD, max_batch_size=2,
                          sampling=SamplingParams(max_new_tokens=3, greedy=True))
     for i, p in enumerate(prompts(12, seed=7, lo=2, hi=4)):
-        engine.add(Request(i, p))
+        engine.submit(Request(i, p))
     while engine.num_running() or engine.num_waiting():
-        engine.step()
+        engine.poll()
         if engine.num_running():
             cache_len = engine._cache.layers[0].keys.shape[-2]
             assert cache_len <= 4 + 3
@@ -223,11 +224,11 @@ def test_batched_admission_gives_the_same_outputs_with_fewer_prefills():
         engine = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=4, min_admit=min_admit,
                              sampling=SamplingParams(max_new_tokens=8, greedy=True))
         for r in reqs:
-            engine.add(r)
+            engine.submit(r)
         done = []
         while engine.num_running() or engine.num_waiting():
             running, waiting = engine.num_running(), engine.num_waiting()
-            done += engine.step()
+            done += engine.poll()
             admitted = waiting - engine.num_waiting()
             if running and admitted:  # rows only join a running batch a worthwhile number at a time
                 assert admitted >= min(min_admit, waiting)
@@ -250,15 +251,15 @@ def test_keep_cache_on_update_samples_new_weights_over_the_old_cache():
     p, k = prompts(1, seed=3, lo=5, hi=5)[0], 3
     engine = TorchEngine(tiny_model(3), eos_token_id=-1, pad_token_id=PAD, keep_cache_on_update=True,
                          sampling=SamplingParams(max_new_tokens=6, greedy=True))
-    engine.add(Request(0, p))
+    engine.submit(Request(0, p))
     for _ in range(k):
-        assert engine.step() == []
+        assert engine.poll() == []
     calls = engine.stats["prefill_calls"]
-    engine.update_weights(state_b, version=1)
+    engine.update_weights(WeightVersion(1, state=state_b))
     assert engine.stats["prefill_calls"] == calls and engine.stats["rebuild_prefill_s"] == 0.0
     comps = []
     while engine.num_running():
-        comps += engine.step()
+        comps += engine.poll()
     (c,) = comps
     assert c.versions == [0] * k + [1] * (6 - k)
     context = p + c.output_ids[:k]

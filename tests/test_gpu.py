@@ -52,7 +52,7 @@ def test_disk_weights_load_into_a_cuda_engine_bit_identical(tmp_path: Path) -> N
     disk = DiskWeights(tmp_path / "weights", WeightsConfig())
     disk.publish(src.state_dict(), 1)
     engine = TorchEngine(tiny_model(4).to(CUDA), eos_token_id=EOS, pad_token_id=PAD)
-    engine.update_weights(disk.fetch(disk.latest_version()), 1)
+    engine.update_weights(disk.locate(disk.latest_version()))
     got = engine.model.state_dict()
     for k, v in src.state_dict().items():
         assert got[k].device.type == "cuda" and torch.equal(got[k].cpu(), v), k

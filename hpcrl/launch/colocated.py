@@ -30,6 +30,7 @@ from hpcrl.rollout.main import build_worker, write_stats
 from hpcrl.trainer.fsdp import FSDPEngine
 from hpcrl.trainer.main import build_rank0, resume, train_loop
 from hpcrl.weights.transport import DiskWeights
+from hpcrl.weights.version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,12 @@ def run(run_dir: Path) -> None:
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
     try:
         start = resume(cfg, ctx, engine, checkpointer, feed, reporter, DiskWeights(run_dir / "weights", cfg.weights))
+        def publish(state, version: int) -> None:
+            worker.engine.update_weights(WeightVersion(version, state=state))
+
         if start:
-            worker.engine.update_weights(engine.full_state_dict(), start)
-        train_loop(cfg, ctx, engine, feed, reporter, worker.engine.update_weights, wait=wait, heartbeat=heartbeat,
+            publish(engine.full_state_dict(), start)
+        train_loop(cfg, ctx, engine, feed, reporter, publish, wait=wait, heartbeat=heartbeat,
                    checkpointer=checkpointer, start_version=start)
         atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
         write_stats(run_dir / "logs" / "colocated.stats.json", worker)
@@ -65,6 +69,7 @@ def run(run_dir: Path) -> None:
         reporter.close()
         runner.close()
         worker.close()
+        worker.engine.close()
         worker.reward.close()
         dist.destroy_process_group()
 

@@ -1,29 +1,42 @@
 """The inference-engine boundary of a rollout job (DESIGN 3.3).
 
-An engine owns a running batch of at most ``max_batch_size`` sequences and a
-queue of waiting requests. The rollout loop drives it single-threaded:
+One seam for every engine: the embedded torch engine, which decodes in the
+rollout's own thread, and server engines (vLLM, SGLang) that batch on their
+own side and answer HTTP requests asynchronously. The rollout loop drives an
+engine single-threaded, through submit/complete:
 
-1. ``add(request)`` queues a request; nothing is computed.
-2. ``step()`` first admits waiting requests into free slots (prefilling
-   them), then runs one decode step for every running sequence and returns
-   the sequences that finished in that step. A slot freed in step k is
-   refilled at step k + 1 (continuous batching).
-3. ``update_weights(state_dict, version)`` may be called between any two
-   steps. It interrupts generation: the weights are loaded, the KV cache of
-   every unfinished sequence is rebuilt by prefill under the new weights, and
-   every token sampled afterwards carries ``version``. Tokens sampled before
-   keep the version that produced them, so a completion can span versions.
+1. ``submit(request)`` hands a request over and returns at once.
+2. ``poll(timeout_s)`` makes progress and returns the requests that finished
+   since the last poll. The embedded engine admits waiting requests into
+   free slots (prefilling them) and decodes one token for every running
+   sequence; a server engine waits up to ``timeout_s`` for responses its
+   background client has collected. Continuous batching is the engine's
+   business: a slot freed by a finished request is refilled without the loop.
+3. ``update_weights(weights)`` may be called between any two polls with a
+   :class:`~hpcrl.weights.version.WeightVersion` (where the version's
+   weights are, not tensors pushed through the loop). It interrupts
+   generation: the engine loads the weights, every unfinished request goes
+   on under them, and every token produced afterwards carries the new
+   version. Tokens produced before keep the version that produced them, so
+   a completion can span versions; how each engine makes that exact is in
+   its module docstring.
+4. ``abort_all()`` drops everything in flight (tokens discarded) and returns
+   the original requests; ``close()`` releases the engine (stops a server it
+   started).
 
 Every output token carries its behaviour logprob, ``log softmax(logits / T)``
 at the sampled token, under the weights that sampled it.
+
+:func:`hpcrl.rollout.engines.build_engine` builds the engine that
+``rollout.engine`` names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Mapping, Protocol, runtime_checkable
+from typing import Hashable, Literal, Protocol, runtime_checkable
 
-import torch
+from hpcrl.weights.version import WeightVersion
 
 
 @dataclass
@@ -70,29 +83,33 @@ class Completion:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """What the rollout loop, evaluation and the trainer's tests need from an engine."""
-
-    def add(self, request: Request) -> None:
-        """Queue a request; it enters the running batch at the next step."""
-        ...
-
-    def step(self) -> list[Completion]:
-        """Admit queued requests into free slots, decode one token for all running sequences."""
-        ...
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Interrupt: load weights, rebuild the KV cache of unfinished sequences under them."""
-        ...
+    """What the rollout loop and colocated mode need from an engine."""
 
     @property
     def version(self) -> int:
         """The weight version that produces the next tokens."""
         ...
 
-    def num_running(self) -> int:
-        """Sequences in the running batch."""
+    def submit(self, request: Request) -> None:
+        """Hand a request over; returns at once."""
         ...
 
-    def num_waiting(self) -> int:
-        """Requests queued but not yet admitted."""
+    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        """Make progress; the requests finished since the last poll (waits at most ``timeout_s`` for one)."""
+        ...
+
+    def update_weights(self, weights: WeightVersion) -> None:
+        """Interrupt: load ``weights``; unfinished requests go on under them with the new version."""
+        ...
+
+    def abort_all(self) -> list[Request]:
+        """Drop every request in flight (their tokens are discarded); return them as submitted."""
+        ...
+
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet returned by ``poll``."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (a server engine stops the server it started)."""
         ...

@@ -1,10 +1,10 @@
 """The embedded torch inference engine: continuous batching over a HF model.
 
-Lifecycle of a sequence: ``add`` queues it; the next ``step`` admits it into
-a free slot of the running batch; each ``step`` then decodes one token for it
-until it emits eos ("stop") or reaches its max_new_tokens ("length"); the
-step that finishes it returns its Completion and frees the slot for the next
-step's admission.
+Lifecycle of a sequence: ``submit`` queues it; the next ``poll`` admits it
+into a free slot of the running batch; each ``poll`` then decodes one token
+for it (one decode step for the whole batch) until it emits eos ("stop") or
+reaches its max_new_tokens ("length"); the poll that finishes it returns its
+Completion and frees the slot for the next poll's admission.
 
 State invariant, kept by every operation: each running sequence has one
 *pending* token (the last token of prompt + output) that is not yet in the KV
@@ -50,6 +50,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from hpcrl.rollout.engine import Completion, Request, SamplingParams
+from hpcrl.weights.version import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -144,23 +145,36 @@ class TorchEngine:
     def version(self) -> int:
         return self._version
 
+    def num_in_flight(self) -> int:
+        return len(self._running) + len(self._waiting)
+
     def num_running(self) -> int:
+        """Sequences in the running batch."""
         return len(self._running)
 
     def num_waiting(self) -> int:
+        """Requests queued but not yet admitted."""
         return len(self._waiting)
 
-    def add(self, request: Request) -> None:
+    def submit(self, request: Request) -> None:
         self._waiting.append(request)
 
-    def step(self) -> list[Completion]:
+    def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        """One decode step (admitting waiting requests first); never waits."""
         with torch.inference_mode():
             self._admit()
             if not self._running:
                 return []
             return self._decode()
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the caller."""
+
+    def update_weights(self, weights: WeightVersion) -> None:
+        self.load_state_dict(weights.tensors(), weights.version)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """``update_weights`` from tensors in hand."""
         self._check_state_dict(state_dict)
         with torch.no_grad():
             self.model.load_state_dict(dict(state_dict), strict=False)
@@ -184,17 +198,17 @@ class TorchEngine:
         return aborted
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Add all requests, step until all are done, return them in request order."""
+        """Submit all requests, poll until all are done, return them in request order."""
         if self._running or self._waiting:
-            raise RuntimeError("generate() needs an idle engine; drive a busy one with add()/step()")
+            raise RuntimeError("generate() needs an idle engine; drive a busy one with submit()/poll()")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("requests: ids must be unique")
         for r in requests:
-            self.add(r)
+            self.submit(r)
         done: dict[Hashable, Completion] = {}
         while self._running or self._waiting:
-            for c in self.step():
+            for c in self.poll():
                 done[c.id] = c
         return [done[i] for i in ids]
 

@@ -14,8 +14,9 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
 1. new weights first: when a newer version is published the engine is
    interrupted and continues under it (tokens keep their versions);
 2. then admission, keeping the engine's slots plus one group's worth of
-   queue filled;
-3. then one engine step. A finished sample whose first token is already more
+   queue filled (``max_batch_size + group_size`` requests in flight);
+3. then one engine poll (one decode step of the embedded engine, a short
+   wait for responses of a server engine). A finished sample whose first token is already more
    than ``max_staleness`` versions behind the weights in hand could never be
    trained, so it is regenerated rather than published.
 """
@@ -40,6 +41,7 @@ from hpcrl.rollout.publisher import BackgroundPublisher
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
 from hpcrl.weights.transport import WeightTransport
+from hpcrl.weights.version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +120,12 @@ class RolloutWorker:
         t2 = time.perf_counter()
         self.stats.weights_s += t1 - t0
         self.stats.admit_s += t2 - t1
-        if self.engine.num_running() == 0 and self.engine.num_waiting() == 0:
+        if self.engine.num_in_flight() == 0:
             if self.publisher.pending:  # nothing to generate: make what is finished visible
                 self.flush()
                 return True
             return False
-        for completion in self.engine.step():
+        for completion in self.engine.poll(self.cfg.poll_interval_s):
             self._collect(completion)
         self.stats.busy_s += time.perf_counter() - t2
         return True
@@ -136,34 +138,37 @@ class RolloutWorker:
         if latest == self.engine.version:
             return
         try:
-            state = self.weights.fetch(latest)
+            weights = self.weights.locate(latest)
+            if latest < self.engine.version:
+                self._regress(weights)
+            else:
+                self.engine.update_weights(weights)
         except FileNotFoundError:  # replaced between the two reads: look again next time
             return
-        if latest < self.engine.version:
-            self._regress(state, latest)
-        else:
-            self.engine.update_weights(state, latest)
         self.stats.weight_updates += 1
         log.debug("weights updated to version %d", latest)
 
-    def _regress(self, state, version: int) -> None:
+    def _regress(self, weights: WeightVersion) -> None:
         """The trainer restarted from an older checkpoint: samples with newer tokens are regenerated."""
+        version = weights.version
         aborted = self.engine.abort_all()
-        self.engine.update_weights(state, version)
-        for request in aborted:
-            self.engine.add(Request(id=request.id, prompt_ids=request.prompt_ids))
+        try:
+            self.engine.update_weights(weights)
+        finally:  # a failed load (version pruned meanwhile) loses nothing: the next poll tries again
+            for request in aborted:
+                self.engine.submit(Request(id=request.id, prompt_ids=request.prompt_ids))
         for index, group in self.groups.items():
             for i, c in enumerate(group.done):
                 if c is not None and c.versions and max(c.versions) > version:
                     group.done[i] = None
-                    self.engine.add(Request(id=(index, i), prompt_ids=group.prompt_ids))
+                    self.engine.submit(Request(id=(index, i), prompt_ids=group.prompt_ids))
         self.stats.samples_restarted += len(aborted)
         log.warning("weights went back to version %d (trainer resumed); regenerating %d in-flight samples",
                     version, len(aborted))
 
     def _admit(self) -> None:
         in_flight_cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
-        while self.engine.num_running() + self.engine.num_waiting() < in_flight_cap:
+        while self.engine.num_in_flight() < in_flight_cap:
             ticket = self.ledger.try_admit(self.engine.version, self.writer)
             if ticket is None:
                 return
@@ -174,14 +179,14 @@ class RolloutWorker:
         prompt_ids = encode_prompt(self.tokenizer, row.prompt, self.chat_template)
         self.groups[ticket.index] = _Group(ticket, row, prompt_ids, [None] * self.cfg.group_size)
         for i in range(self.cfg.group_size):
-            self.engine.add(Request(id=(ticket.index, i), prompt_ids=prompt_ids))
+            self.engine.submit(Request(id=(ticket.index, i), prompt_ids=prompt_ids))
 
     def _collect(self, c: Completion) -> None:
         index, i = c.id
         head = min(c.versions) if c.versions else self.engine.version
         if head < self.engine.version - self.admission.max_staleness:
             self.stats.samples_restarted += 1
-            self.engine.add(Request(id=c.id, prompt_ids=c.prompt_ids))
+            self.engine.submit(Request(id=c.id, prompt_ids=c.prompt_ids))
             return
         group = self.groups[index]
         group.done[i] = c

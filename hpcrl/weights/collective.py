@@ -25,8 +25,8 @@ Protocol (store keys under ``hpcrl/weights/``), all driven by one host thread:
 
 Members poll ``state`` in :meth:`latest_version` (between decode steps):
 joining, acknowledging and receiving all happen there, so generation pauses
-only while a transfer is in flight. :meth:`fetch` hands over what was
-received. A member that finds itself dropped registers again.
+only while a transfer is in flight. :meth:`fetch` (or :meth:`locate`) hands over
+what was received. A member that finds itself dropped registers again.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from hpcrl import atomic
 from hpcrl.weights.config import WeightsConfig
-from hpcrl.weights.transport import unique_tensors
+from hpcrl.weights.version import WeightVersion, aliases
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +65,45 @@ class Layout:
 
     @staticmethod
     def of(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> "Layout":
+        """Tied aliases point at their original's place: sent once, unpacked under both names."""
         buckets: list[list] = []
-        tensors, open_bucket = [], {}
+        tensors, open_bucket, placed = [], {}, {}
+        dup = aliases(state)
         for name, t in state.items():
+            if name in dup:
+                tensors.append((name, *placed[dup[name]], list(t.shape)))
+                continue
             key = str(t.dtype)
             b = open_bucket.get(key)
             if b is None or (buckets[b][1] and (buckets[b][1] + t.numel()) * t.element_size() > bucket_bytes):
                 b = open_bucket[key] = len(buckets)
                 buckets.append([key, 0])
             tensors.append((name, b, buckets[b][1], list(t.shape)))
+            placed[name] = (b, buckets[b][1])
             buckets[b][1] += t.numel()
         return Layout([(d, n) for d, n in buckets], tensors)
 
     def pack(self, state: Mapping[str, torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        flat = self.empty(device)
+        flat, done = self.empty(device), set()
         for name, b, off, shape in self.tensors:
-            t = state[name]
-            flat[b][off:off + t.numel()].copy_(t.reshape(-1))
+            if (b, off) not in done:
+                t = state[name]
+                flat[b][off:off + t.numel()].copy_(t.reshape(-1))
+                done.add((b, off))
         return flat
 
     def empty(self, device: torch.device) -> list[torch.Tensor]:
         return [torch.empty(n, dtype=_DTYPES[d], device=device) for d, n in self.buckets]
 
     def unpack(self, flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
+        out, views = {}, {}
         for name, b, off, shape in self.tensors:
             n = 1
             for s in shape:
                 n *= s
-            out[name] = flat[b][off:off + n].view(shape).cpu()
+            if (b, off) not in views:  # an alias shares its original's tensor
+                views[(b, off)] = flat[b][off:off + n].view(shape).cpu()
+            out[name] = views[(b, off)]
         return out
 
     def to_json(self) -> str:
@@ -206,7 +216,7 @@ class CollectiveWeights(_Base):
     # -- WeightTransport ------------------------------------------------------
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         t0 = time.perf_counter()
-        state = unique_tensors(state_dict)
+        state = {name: t.detach() for name, t in state_dict.items()}
         if self._layout is None:
             self._layout = Layout.of(state, int(self.cfg.bucket_mb * 2**20))
         flat = self._layout.pack(state, self.device)
@@ -224,6 +234,9 @@ class CollectiveWeights(_Base):
             if not self._pending or self._pending[0] != version:
                 raise FileNotFoundError(f"version {version} is not the newest published")
             return self._layout.unpack(self._pending[1])
+
+    def locate(self, version: int) -> WeightVersion:
+        return WeightVersion(version, state=self.fetch(version))
 
     def close(self) -> None:
         self._stop.set()
@@ -365,6 +378,9 @@ class CollectiveMember(_Base):
             raise FileNotFoundError(f"version {version} was not received (holding {self.version})")
         state, self._received = self._received, None
         return state
+
+    def locate(self, version: int) -> WeightVersion:
+        return WeightVersion(version, state=self.fetch(version))
 
     def close(self) -> None:
         if self.store is not None and self.mid is not None:

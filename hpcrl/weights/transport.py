@@ -5,9 +5,11 @@ Lifecycle and ordering rules:
 * The trainer calls :meth:`WeightTransport.publish` after optimizer step
   ``v`` with the full (unsharded) state dict; version ``v`` becomes visible
   to readers only once complete.
-* A rollout calls :meth:`latest_version` between decode steps (cheap) and,
-  when it is newer than what it holds, :meth:`fetch` for that version, then
-  interrupts its engine with the new weights.
+* A rollout calls :meth:`latest_version` between engine polls (cheap) and,
+  when it is newer than what it holds, :meth:`locate` for that version (a
+  :class:`~hpcrl.weights.version.WeightVersion`: the published directory on
+  disk, the received tensors in collective mode), then interrupts its engine
+  with it. :meth:`fetch` gives the tensors themselves.
 * Version 0 is the initial model itself: it is never published; a rollout
   that sees no published version generates with the initial weights.
 
@@ -31,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
 from hpcrl.weights.config import WeightsConfig
+from hpcrl.weights.version import WEIGHTS_FILE, WeightVersion, storable_tensors, unique_tensors  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class WeightTransport(Protocol):
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
 
+    def locate(self, version: int) -> WeightVersion: ...
+
     def close(self) -> None: ...
 
 
@@ -51,18 +56,6 @@ def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "
         return DiskWeights(root, cfg)
     from hpcrl.weights.collective import CollectiveWeights
     return CollectiveWeights.host(root, cfg) if role == "host" else CollectiveWeights.member(root, cfg)
-
-
-def unique_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop aliases of tied parameters (safetensors refuses shared storage)."""
-    out, seen = {}, set()
-    for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().contiguous()
-    return out
 
 
 class DiskWeights:
@@ -79,7 +72,7 @@ class DiskWeights:
         if target.exists():
             shutil.rmtree(target)  # a crashed earlier attempt at the same version left it uncommitted by LATEST
         with atomic.directory(target) as tmp:
-            save_file(unique_tensors(state_dict), str(tmp / "model.safetensors"), metadata={"version": str(version)})
+            save_file(storable_tensors(state_dict), str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
         atomic.write_text(self.root / "LATEST", f"{version}\n")
         self._prune(version)
 
@@ -93,7 +86,10 @@ class DiskWeights:
             return 0
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.version_dir(version) / "model.safetensors"))
+        return load_file(str(self.version_dir(version) / WEIGHTS_FILE))
+
+    def locate(self, version: int) -> WeightVersion:
+        return WeightVersion(version, path=self.version_dir(version))
 
     def close(self) -> None:
         """Nothing to release: every version is a file."""
