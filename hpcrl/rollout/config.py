@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass
 class RolloutConfig:
+    # the inference engine: torch = embedded in the rollout process (tiny models, CPU tests); vllm / sglang = a server
+    # the rollout job starts on its node(s) and drives over HTTP (docs/engine.md)
+    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    server_url: str = ""  # vllm/sglang: drive this already-running server instead of starting one ("" = start one)
+    server_host: str = "127.0.0.1"  # vllm/sglang: address the started server binds (loopback: only this job reaches it)
+    server_port: int = 0  # vllm/sglang: port of the started server (0 = a free port)
+    server_args: list[str] = field(default_factory=list)  # vllm/sglang: extra command-line arguments of the server
+    tensor_parallel_size: int = 0  # vllm/sglang: 0 = launch.rollout.gpus_per_node (1 without GPUs)
+    server_start_timeout_s: float = 600.0  # vllm/sglang: the server must answer its health check within this
+    request_timeout_s: float = 600.0  # vllm/sglang: a request unanswered for this long fails the rollout job
+    staging_dir: str = ""  # vllm/sglang: node-local directory for weights received in memory ("" = /dev/shm or /tmp)
     replicas: int = 1  # independent rollout processes (all share the admission ledger)
     group_size: int = 8  # samples per prompt (a prompt group)
     max_batch_size: int = 64  # sequences decoded together (continuous batching slots)
@@ -32,3 +43,15 @@ class RolloutConfig:
                              f"got {self.admit_min_free}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if self.engine != "torch" and self.kv_on_update == "keep":
+            raise ValueError(f"kv_on_update: 'keep' needs rollout.engine=torch (a {self.engine} server recomputes "
+                             "the prefix of every interrupted request); use 'recompute'")
+        if not 0 <= self.server_port < 65536:
+            raise ValueError(f"server_port: must be in [0, 65535], got {self.server_port}")
+        if self.tensor_parallel_size < 0:
+            raise ValueError(f"tensor_parallel_size: must be >= 0, got {self.tensor_parallel_size}")
+        for name in ("server_start_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.server_url and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(f"server_url: expected http://host:port, got {self.server_url!r}")

@@ -46,6 +46,7 @@ class SamplingParams:
     max_new_tokens: int = 16  # output tokens per request, eos included
     temperature: float = 1.0  # > 0; logprobs are log softmax(logits / temperature)
     greedy: bool = False  # argmax; logprobs still reported under the tempered distribution
+    ignore_eos: bool = False  # generate max_new_tokens even past eos (benchmarks with fixed lengths)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -1,9 +1,13 @@
 """The rollout component: ``python -m hpcrl.rollout --run-dir DIR --replica K``.
 
-Lifecycle: read ``config.yaml`` and ``prepared.json`` -> load the initial
-policy into the embedded engine and take the newest published weights ->
+Lifecycle: read ``config.yaml`` and ``prepared.json`` -> build the engine
+``rollout.engine`` names on the initial policy (the embedded one, or a
+vLLM/SGLang server started as this process's child) and take the newest
+published weights ->
 run the :class:`RolloutWorker` loop (admit, generate, score, publish) until
-the trainer writes ``DONE`` -> exit 0. Any number of replicas may run at the
+the trainer writes ``DONE`` -> stop the engine (and its server) -> exit 0. A
+server that dies or stops answering fails this process; the watchdog
+resubmits it like any other crash. Any number of replicas may run at the
 same time or join later: admission is global in the run directory.
 """
 
@@ -11,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,34 +31,38 @@ from hpcrl.launch.heartbeat import Heartbeat
 from hpcrl.launch.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.launch.logs import setup_logging
 from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared
-from hpcrl.model.hf_io import load_model, load_tokenizer
+from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
-from hpcrl.rollout.engine import SamplingParams
-from hpcrl.rollout.torch_engine import TorchEngine
+from hpcrl.rollout.engines import EngineSite, build_engine
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.store import Spool
-from hpcrl.weights.transport import DiskWeights, open_transport
+from hpcrl.weights.transport import WeightTransport, open_transport
 
 log = logging.getLogger(__name__)
 
 
 def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *, model=None, writer: str = "",
-                 weights: DiskWeights | None = None) -> RolloutWorker:
+                 weights: WeightTransport | None = None, on_wait: Callable[[], None] | None = None) -> RolloutWorker:
     """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
     tokenizer = load_tokenizer(prep.init_model)
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
-    engine = TorchEngine(model if model is not None else load_model(prep.init_model),
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         max_batch_size=cfg.rollout.max_batch_size,
-                         sampling=SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                                 temperature=cfg.rollout.temperature),
-                         seed=cfg.seed * 1000 + replica,
-                         min_admit=cfg.rollout.admit_min_free or cfg.rollout.group_size,
-                         keep_cache_on_update=cfg.rollout.kv_on_update == "keep")
+    site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
+                      name=f"rollout-{writer or replica}", gpus=_visible_gpus(cfg.launch.rollout.gpus_per_node),
+                      on_wait=on_wait)
+    engine = build_engine(cfg.rollout, site, seed=cfg.seed * 1000 + replica, tokenizer=tokenizer, model=model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=Spool(run_dir / "spool"), reward=RewardRunner(cfg.reward),
                          writer=writer or f"r{replica}", weights=weights, chat_template=cfg.data.chat_template)
+
+
+def _visible_gpus(requested: int) -> int:
+    """Accelerators this job can use: Slurm's/CUDA's visible-devices list, else what launch.rollout asked for."""
+    for var in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
+        ids = os.environ.get(var)
+        if ids is not None:
+            return len([i for i in ids.split(",") if i.strip()])
+    return requested
 
 
 def run(run_dir: Path, replica: int) -> None:
@@ -62,8 +72,9 @@ def run(run_dir: Path, replica: int) -> None:
     torch.set_num_threads(cfg.rollout.threads)
     weights = open_transport(run_dir / "weights", cfg.weights, "member")
     writer = f"r{replica}-{secrets.token_hex(3)}"  # one id per incarnation: a restart never inherits tickets
-    worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer)
     heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
+    worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer,
+                          on_wait=lambda: heartbeat.beat(writer=writer, starting=True))
     done = run_dir / "DONE"
 
     def should_stop() -> bool:
@@ -81,6 +92,7 @@ def run(run_dir: Path, replica: int) -> None:
             raise SystemExit(EXIT_REQUEUE)
     finally:
         worker.close()
+        worker.engine.close()
         worker.reward.close()
         weights.close()
     s = worker.stats

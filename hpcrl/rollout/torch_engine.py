@@ -331,7 +331,7 @@ class TorchEngine:
             s.output_ids.append(tok)
             s.logprobs.append(lp)
             s.versions.append(self._version)
-            if tok == self.eos_token_id:
+            if tok == self.eos_token_id and not self.sampling.ignore_eos:
                 finished.append(s.completion("stop"))
             elif len(s.output_ids) >= s.max_new_tokens:
                 finished.append(s.completion("length"))

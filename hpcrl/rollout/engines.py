@@ -1,0 +1,101 @@
+"""Build the inference engine that ``rollout.engine`` names.
+
+- ``torch``: :class:`~hpcrl.rollout.torch_engine.TorchEngine` on the model in
+  this process.
+- ``vllm`` / ``sglang``: a :class:`~hpcrl.rollout.remote_engine.RemoteEngine`
+  driving a server. Unless ``rollout.server_url`` names a running one, the
+  server is started here as a child of the rollout job
+  (:class:`~hpcrl.rollout.server.ServerProcess`), on ``server_host`` and a
+  free port, with tensor parallelism over the job's GPUs, its log in
+  ``<run_dir>/logs/<name>-server.log``; it is stopped by the engine's
+  ``close``. Weights that exist only in memory (collective and colocated
+  modes) and the server's view of the model are staged in a node-local
+  directory (``rollout.staging_dir``, default ``/dev/shm``) named by the
+  rollout's pid; ``close`` removes it, and a later start on the node removes
+  those of processes that died. The server loads the initial policy; the rollout then hands it
+  the newest published version like any later one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hpcrl.rollout.config import RolloutConfig
+from hpcrl.rollout.engine import InferenceEngine, SamplingParams
+
+
+@dataclass
+class EngineSite:
+    """Where an engine runs: what the rollout job knows about itself."""
+
+    model_path: str  # HuggingFace folder of the initial policy
+    dtype: str  # model.dtype
+    log_dir: Path  # server logs go here
+    name: str  # e.g. "rollout-0-ab12cd": names the server log and the staging directory
+    gpus: int = 0  # accelerators of this job's node (tensor parallel size when rollout.tensor_parallel_size=0)
+    on_wait: Callable[[], None] | None = None  # called while a server starts (keeps the job's heartbeat fresh)
+
+
+def build_engine(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
+    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    if cfg.engine == "torch":
+        from hpcrl.model.hf_io import load_model
+        from hpcrl.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(model if model is not None else load_model(site.model_path),
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                           max_batch_size=cfg.max_batch_size, sampling=sampling, seed=seed,
+                           min_admit=cfg.admit_min_free or cfg.group_size,
+                           keep_cache_on_update=cfg.kv_on_update == "keep")
+    return _remote(cfg, site, sampling)
+
+
+def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> InferenceEngine:
+    from hpcrl.rollout.remote_engine import RemoteEngine
+    from hpcrl.rollout.server import ServerProcess, free_port
+
+    staging = _staging_dir(Path(cfg.staging_dir or _node_local()), site.name)
+    if cfg.engine == "vllm":
+        from hpcrl.rollout import vllm_engine as backend_mod
+        backend = backend_mod.VLLMBackend()
+    else:
+        from hpcrl.rollout import sglang_engine as backend_mod
+        backend = backend_mod.SGLangBackend(staging)
+    server, url = None, cfg.server_url
+    if not url:
+        port = cfg.server_port or free_port(cfg.server_host)
+        tp = cfg.tensor_parallel_size or max(site.gpus, 1)
+        argv, env = backend_mod.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
+                                               tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
+                                               staging=staging)
+        url = f"http://{cfg.server_host}:{port}"
+        server = ServerProcess(argv, health_url=url + backend.health_path, env=env,
+                               log_path=site.log_dir / f"{site.name}-server.log",
+                               start_timeout_s=cfg.server_start_timeout_s)
+        server.start(site.on_wait)
+    engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
+                          request_timeout_s=cfg.request_timeout_s)
+    try:
+        engine.prepare()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _staging_dir(root: Path, name: str) -> Path:
+    """``root/hpcrl-<name>-<pid>``, after removing those of processes on this node that are gone."""
+    for old in root.glob("hpcrl-*-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return root / f"hpcrl-{name}-{os.getpid()}"
+
+
+def _node_local() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()

@@ -1,0 +1,150 @@
+"""vLLM as a rollout engine: the server command and its wire format.
+
+The server is vLLM's OpenAI-compatible API server with its RL endpoints
+(``VLLM_SERVER_DEV_MODE=1``), started by the rollout job
+(:func:`hpcrl.rollout.engines.build_engine`) or named by
+``rollout.server_url``. Requests and answers:
+
+- generate: ``POST /v1/completions`` with the prompt as token ids,
+  ``max_tokens``, ``temperature``, ``logprobs: 0`` and
+  ``return_token_ids: true``; the answer's ``choices[0].token_ids`` are the
+  sampled tokens (eos included when it stopped on eos) and
+  ``logprobs.token_logprobs`` their logprobs. The server runs with
+  ``--logprobs-mode processed_logprobs``, so those are
+  ``log softmax(logits / T)``, the behaviour logprobs the trainer corrects
+  with. An aborted request answers ``finish_reason: "abort"`` with the tokens
+  it had.
+- abort: ``POST /abort_requests {}`` aborts everything in flight.
+- new weights (nothing in flight): ``POST /pause?mode=abort``, ``POST
+  /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
+  DIR}}`` (DIR holds ``model.safetensors`` with HuggingFace names),
+  ``POST /reset_prefix_cache``, ``POST /update_weight_version``, ``POST
+  /resume``.
+
+Tied embeddings: vLLM 0.32's in-place reload does not re-tie ``lm_head`` to
+the reloaded embedding (the layerwise loader puts the old head back: tokens
+then come from neither version). So a tied model is served *untied*: the
+server loads :func:`untied_view` of the model folder (``tie_word_embeddings:
+false`` and an explicit ``lm_head.weight`` copied from the embedding), and
+every published version carries ``lm_head.weight`` as its own tensor
+(:func:`hpcrl.weights.version.storable_tensors`). The logits are the same.
+
+On GPU nodes vLLM also takes weights over NCCL (``/init_weight_transfer_engine``,
+``/update_weights``); hpcrl's collective mode instead receives the broadcast
+in the rollout process and hands vLLM a staged directory on node-local
+storage (see docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import aiohttp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hpcrl.rollout.engine import SamplingParams
+from hpcrl.rollout.remote_engine import Segment, check_response
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a HuggingFace folder."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: f.name for k in st.keys()})
+    return out
+
+
+def untied_view(model_path: str | Path, staging: Path) -> Path:
+    """``model_path`` itself if its head is untied, else a view of it under ``staging`` with an explicit head."""
+    src = Path(model_path)
+    if not (src / "config.json").is_file():
+        return src  # not a model folder: the server says so in its own words
+    config = json.loads((src / "config.json").read_text())
+    weight_map = _weight_map(src)
+    if not config.get("tie_word_embeddings") and HEAD in weight_map:
+        return src
+    if EMBED not in weight_map:
+        raise ValueError(f"model.path: {src} ties its output head to the embedding, and hpcrl serves such a "
+                         f"model with vLLM only when the embedding is named {EMBED!r}")
+    view = staging / "server-model"
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors.index.json"):
+            (view / f.name).symlink_to(f.resolve())
+    with safe_open(str(src / weight_map[EMBED]), "pt") as st:
+        save_file({HEAD: st.get_tensor(EMBED).clone()}, str(view / "lm_head.safetensors"))
+    weight_map[HEAD] = "lm_head.safetensors"
+    (view / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (view / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=1))
+    return view
+
+
+def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
+                   extra: list[str], gpu: bool, staging: Path) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of a vLLM server for ``model_path``."""
+    served = str(untied_view(model_path, staging))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", served,
+            "--served-model-name", "policy", "--host", host, "--port", str(port), "--dtype", dtype,
+            "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(tensor_parallel_size),
+            "--disable-uvicorn-access-log"]
+    if not gpu:
+        argv.append("--enforce-eager")  # no CUDA graphs on CPU
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # the RL endpoints: pause, reload, weight version, resume
+    if not gpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache; override in the job's environment
+    return argv + list(extra), env
+
+
+class VLLMBackend:
+    health_path = "/health"
+
+    def __init__(self, model: str = "policy") -> None:
+        self.model = model
+
+    async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
+        """Take the served model name from ``/v1/models`` (it may be a server hpcrl did not start)."""
+        async with http.get(f"{url}/v1/models") as r:
+            data = await check_response(r, "GET /v1/models")
+        self.model = data["data"][0]["id"]
+
+    async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
+                       sampling: SamplingParams) -> Segment:
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_new_tokens,
+                "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": 1.0, "top_k": -1,
+                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+                "ignore_eos": sampling.ignore_eos}
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            data = await check_response(r, "POST /v1/completions")
+        choice = data["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+        finish = _FINISH.get(choice.get("finish_reason"), "length")
+        return Segment(ids, [float(x) for x in lps], finish)
+
+    async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None:
+        async with http.post(f"{url}/abort_requests", json={}) as r:
+            await check_response(r, "POST /abort_requests")
+
+    async def load(self, http: aiohttp.ClientSession, url: str, path: Path, version: int) -> None:
+        calls = [("/pause?mode=abort", None),
+                 ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}),
+                 ("/reset_prefix_cache", None),
+                 ("/update_weight_version", {"new_version": str(version)}),
+                 ("/resume", None)]
+        for route, body in calls:
+            async with http.post(f"{url}{route}", json=body) as r:
+                await check_response(r, f"POST {route}")
