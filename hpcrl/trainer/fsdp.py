@@ -10,7 +10,9 @@ pass runs the step-start weights), reference logprobs, critic values; (2) token-
 advantages (KL reward penalty, GAE/returns, whitening with moments summed over
 all ranks) for token-level estimators; (3) ``n_minibatches`` optimizer updates
 of the decoupled PPO loss (+ KL loss term, entropy bonus) and the clipped
-value loss -> :meth:`full_state_dict` for publishing (collective: every rank
+value loss; the first update also measures the train-inference mismatch
+(``mismatch/*``: trainer vs engine logprobs of the tokens the step-start
+weights generated) -> :meth:`full_state_dict` for publishing (collective: every rank
 calls it). Trainer state to checkpoint: ``model``, ``optimizer``,
 ``scheduler``, ``critic``, ``critic_optimizer``, ``critic_scheduler``,
 ``version`` (``ref_model`` is the frozen initial policy).
@@ -150,11 +152,35 @@ class FSDPEngine:
         stats = self._token_advantages(minibatches, aux) if self.algo.token_level_advantages else {}
         stats.update(self._advantage_stats([mb for mbs in minibatches for mb in mbs]))
         stats["time/prepare_s"] = time.perf_counter() - t0
+        self._mismatch = [torch.zeros(2, dtype=torch.float64), 0.0]  # (|d| sum, tokens), |d| max
         for k, (mbs, aux_k) in enumerate(zip(minibatches, aux)):
             for key, v in self._update(mbs, aux_k, k, len(minibatches)).items():
                 stats[key] = stats.get(key, 0.0) + v / len(minibatches)
+        stats.update(self._mismatch_stats())
         self.version += 1
         return stats
+
+    def _record_mismatch(self, logp: torch.Tensor, behav: torch.Tensor, versions: torch.Tensor,
+                         mask: torch.Tensor) -> None:
+        """Train-inference mismatch: |trainer logprob - engine logprob| on tokens the same weights generated.
+
+        The first update's forward runs the step-start weights, version v;
+        a token generated at version v was sampled by those very weights, so
+        any difference is the engine's numerics against the trainer's.
+        """
+        sel = (mask > 0) & (versions == self.version)
+        d = (logp.detach().double() - behav.double()).abs()[sel]
+        if d.numel():
+            self._mismatch[0] += torch.stack([d.sum(), torch.tensor(float(d.numel()), dtype=torch.float64)]).cpu()
+            self._mismatch[1] = max(self._mismatch[1], float(d.max()))
+
+    def _mismatch_stats(self) -> dict[str, float]:
+        total, n = self._global_sum(self._mismatch[0]).tolist()
+        hi = torch.tensor([self._mismatch[1]], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if n == 0:
+            return {"mismatch/tokens": 0.0}
+        return {"mismatch/tokens": n, "mismatch/abs_mean": total / n, "mismatch/abs_max": float(hi.item())}
 
     def _prox_in_forward(self, k: int) -> bool:
         """Whether update ``k`` takes the proximal logprobs from its own forward pass.
@@ -265,6 +291,8 @@ class FSDPEngine:
         dev = self.ctx.device
         logp, entropy = self._forward(mb, entropy="grad" if self.algo.entropy_coef > 0 else "detached")
         mask, behav = mb.mask.to(dev), mb.behav_logprobs.to(dev)
+        if k == 0:
+            self._record_mismatch(logp, behav, mb.versions.to(dev), mask)
         prox = aux.get("prox")
         if not self.algo.decoupled:  # plain PPO: the behaviour policy is the anchor, every weight is 1
             prox = behav
