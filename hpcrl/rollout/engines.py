@@ -65,7 +65,7 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         backend = backend_mod.VLLMBackend()
     else:
         from hpcrl.rollout import sglang_engine as backend_mod
-        backend = backend_mod.SGLangBackend(staging)
+        backend = backend_mod.SGLangBackend()
     server, url = None, cfg.server_url
     if not url:
         port = cfg.server_port or free_port(cfg.server_host)

@@ -140,11 +140,16 @@ class VLLMBackend:
             await check_response(r, "POST /abort_requests")
 
     async def load(self, http: aiohttp.ClientSession, url: str, path: Path, version: int) -> None:
-        calls = [("/pause?mode=abort", None),
-                 ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}),
-                 ("/reset_prefix_cache", None),
-                 ("/update_weight_version", {"new_version": str(version)}),
-                 ("/resume", None)]
-        for route, body in calls:
-            async with http.post(f"{url}{route}", json=body) as r:
-                await check_response(r, f"POST {route}")
+        await self._post(http, url, "/pause?mode=abort")
+        try:  # a failed reload fails the rollout job; the server must not stay paused meanwhile
+            await self._post(http, url, "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await self._post(http, url, "/reset_prefix_cache")
+            await self._post(http, url, "/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._post(http, url, "/resume")
+
+    @staticmethod
+    async def _post(http: aiohttp.ClientSession, url: str, route: str, body: dict | None = None) -> dict:
+        async with http.post(f"{url}{route}", json=body) as r:
+            return await check_response(r, f"POST {route}")

@@ -1,0 +1,104 @@
+"""SGLang as a rollout engine: the server command and its wire format.
+
+The server is ``python -m sglang.launch_server`` (CUDA only: it cannot run
+on the CPU machines hpcrl is tested on, so this adapter is tested against a
+stand-in that implements the same HTTP shapes, ``tests/sglang_standin.py``,
+and by ``sglang``-marked tests where a real server exists). Requests and
+answers, SGLang 0.5.x native API (``sglang/srt/entrypoints/http_server.py``,
+``managers/io_struct.py``):
+
+- generate: ``POST /generate`` with ``input_ids``, ``sampling_params``
+  (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``ignore_eos``, ``skip_special_tokens``, ``no_stop_trim``) and
+  ``return_logprob: true``. ``meta_info.output_token_logprobs`` holds
+  ``[logprob, token_id, text]`` per output token, ``log softmax(logits / T)``;
+  the tokens are the last ``meta_info.completion_tokens`` of ``output_ids``
+  (0.5.1-0.5.4 prefix ``output_ids`` with prompt tokens), eos included;
+  ``meta_info.finish_reason.type`` is ``stop``, ``length`` or ``abort``. An
+  aborted request returns the tokens it had; one aborted before its first
+  token may have no ``output_ids`` at all (<= 0.5.5).
+- abort: ``POST /abort_request {"abort_all": true}``.
+- new weights (nothing in flight): ``POST /pause_generation {"mode":
+  "abort"}``, ``POST /update_weights_from_disk {"model_path": DIR,
+  "weight_version": "N", "flush_cache": true}`` (SGLang reads the
+  ``*.safetensors`` of DIR; answers ``{"success", "message"}``), ``POST
+  /update_weight_version`` (0.5.6 does not set the version on a paused
+  update), ``POST /continue_generation {}``.
+
+Its NCCL path (``/init_weights_update_group``,
+``/update_weights_from_distributed``) is not used: hpcrl's collective mode
+receives the broadcast in the rollout process and hands SGLang a staged
+directory, as for vLLM.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from hpcrl.rollout.engine import SamplingParams
+from hpcrl.rollout.remote_engine import Segment, check_response
+from hpcrl.rollout.server import EngineServerError
+
+
+LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]  # the tests point this at the stand-in
+
+
+def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
+                   extra: list[str], gpu: bool, staging: Path) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of an SGLang server for ``model_path``."""
+    argv = [*LAUNCHER, "--model-path", model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(tensor_parallel_size), "--dtype", dtype, "--skip-server-warmup"]
+    return argv + list(extra), {}
+
+
+class SGLangBackend:
+    health_path = "/health"
+
+    async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
+        """Check that the server speaks SGLang's API (``/get_model_info`` exists in every 0.5.x)."""
+        async with http.get(f"{url}/get_model_info") as r:
+            info = await check_response(r, "GET /get_model_info")
+        if "model_path" not in info:
+            raise EngineServerError(f"{url}/get_model_info does not look like SGLang's: {str(info)[:300]}")
+
+    async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
+                       sampling: SamplingParams) -> Segment:
+        body = {"input_ids": prompt_ids, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens,
+                                    "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                                    "top_p": 1.0, "top_k": -1, "ignore_eos": sampling.ignore_eos,
+                                    "skip_special_tokens": False, "no_stop_trim": True}}
+        async with http.post(f"{url}/generate", json=body) as r:
+            data = await check_response(r, "POST /generate")
+        meta = data["meta_info"]
+        logprobs = meta.get("output_token_logprobs") or []
+        n = int(meta.get("completion_tokens", len(logprobs)))
+        ids = list(data.get("output_ids") or [])
+        ids = ids[len(ids) - n:] if n else []
+        kind = (meta.get("finish_reason") or {}).get("type", "length")
+        return Segment(ids, [float(entry[0]) for entry in logprobs[:n]],
+                       kind if kind in ("stop", "length", "abort") else "length")
+
+    async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None:
+        async with http.post(f"{url}/abort_request", json={"abort_all": True}) as r:
+            await check_response(r, "POST /abort_request")
+
+    async def load(self, http: aiohttp.ClientSession, url: str, path: Path, version: int) -> None:
+        await self._post(http, url, "/pause_generation", {"mode": "abort"})
+        try:  # SGLang rolls a refused update back; either way the server must not stay paused
+            answer = await self._post(http, url, "/update_weights_from_disk",
+                                      {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
+            if not answer.get("success", False):
+                raise EngineServerError(f"SGLang refused version {version} from {path}: {answer.get('message')}")
+            await self._post(http, url, "/update_weight_version",
+                             {"new_version": str(version), "abort_all_requests": False})
+        finally:
+            await self._post(http, url, "/continue_generation", {})
+
+    @staticmethod
+    async def _post(http: aiohttp.ClientSession, url: str, route: str, body: dict) -> dict:
+        async with http.post(f"{url}{route}", json=body) as r:
+            return await check_response(r, f"POST {route}")
