@@ -87,7 +87,7 @@ def run_with_update(engine, requests: list[Request], weights: DiskWeights) -> li
     t0, updated = time.time(), False
     while len(done) < len(requests):
         done += engine.poll(0.01)
-        if not updated and time.time() - t0 > after_s:
+        if not updated and (done or time.time() - t0 > after_s):
             engine.update_weights(weights.locate(1))
             updated = True
         assert time.time() - t0 < 120, "engine did not finish"

@@ -102,6 +102,11 @@ def test_layout_sends_a_tied_alias_once_and_unpacks_it_under_both_names() -> Non
     assert sum(n for _, n in layout.buckets) == emb.numel() + other.numel()
     back = Layout.from_json(layout.to_json()).unpack(layout.pack(s, torch.device("cpu")))
     assert back.keys() == s.keys() and torch.equal(back["lm_head.weight"], emb)
+    # a zero-size tensor sits where the next one starts: it is no alias of it
+    z = {"empty": torch.zeros(0), "next": torch.arange(4.0)}
+    layout = Layout.of(z, bucket_bytes=1 << 20)
+    back = layout.unpack(layout.pack(z, torch.device("cpu")))
+    assert torch.equal(back["next"], z["next"]) and back["empty"].numel() == 0
 
 
 def test_member_joining_mid_run_gets_current_weights_bit_identical(tmp_path) -> None:

@@ -159,3 +159,39 @@ def test_killing_the_vllm_server_mid_run_is_survived(tmp_path, cache) -> None:
     assert len(list(run.glob("logs/*-server.log"))) == 2  # the resubmitted rollout started a server of its own
     rep = audit(run)
     assert rep.ok and rep.steps == 30, rep.violations
+
+
+ROLLOUT_STANDIN = """
+import sys, time
+from pathlib import Path
+from hpcrl.model.tiny import build_char_tokenizer
+from hpcrl.rollout.config import RolloutConfig
+from hpcrl.rollout.engines import EngineSite, build_engine
+site = EngineSite(model_path=sys.argv[1], dtype="float32", log_dir=Path(sys.argv[2]), name="victim")
+engine = build_engine(RolloutConfig(engine="vllm", server_args=["--max-model-len", "256"]), site, seed=0,
+                      tokenizer=build_char_tokenizer())
+print(engine.server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_rollout_killed_with_sigkill_leaves_no_server_process(policies, tmp_path) -> None:
+    """vLLM's engine core and worker do not exit with the API server: the guard ends the whole group."""
+    proc = subprocess.Popen([sys.executable, "-c", ROLLOUT_STANDIN, str(policies[0]), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, env=run_env())
+    pgid = int(proc.stdout.readline())
+    members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) == pgid]
+    assert len(members) >= 3  # the guard, the API server, vLLM's engine processes
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 40
+    while any(_pgid(p) == pgid for p in Path("/proc").iterdir() if p.name.isdigit()):
+        assert time.time() < deadline, "server processes outlived the rollout"
+        time.sleep(0.5)
+
+
+def _pgid(proc_dir: Path) -> int | None:
+    try:
+        return os.getpgid(int(proc_dir.name))
+    except (ProcessLookupError, PermissionError):
+        return None

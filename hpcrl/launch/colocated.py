@@ -68,10 +68,12 @@ def run(run_dir: Path) -> None:
     finally:
         reporter.close()
         runner.close()
-        worker.close()
-        worker.engine.close()
-        worker.reward.close()
-        dist.destroy_process_group()
+        try:
+            worker.close()
+        finally:
+            worker.engine.close()
+            worker.reward.close()
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,13 +11,15 @@ class RolloutConfig:
     # the inference engine: torch = embedded in the rollout process (tiny models, CPU tests); vllm / sglang = a server
     # the rollout job starts on its node(s) and drives over HTTP (docs/engine.md)
     engine: Literal["torch", "vllm", "sglang"] = "torch"
-    server_url: str = ""  # vllm/sglang: drive this already-running server instead of starting one ("" = start one)
+    # vllm/sglang: drive this running server instead of starting one ("" = start one); it must serve the initial
+    # policy and no one else (the rollout pauses and reloads it), so replicas must be 1
+    server_url: str = ""
     server_host: str = "127.0.0.1"  # vllm/sglang: address the started server binds (loopback: only this job reaches it)
     server_port: int = 0  # vllm/sglang: port of the started server (0 = a free port)
     server_args: list[str] = field(default_factory=list)  # vllm/sglang: extra command-line arguments of the server
     tensor_parallel_size: int = 0  # vllm/sglang: 0 = launch.rollout.gpus_per_node (1 without GPUs)
     server_start_timeout_s: float = 600.0  # vllm/sglang: the server must answer its health check within this
-    request_timeout_s: float = 600.0  # vllm/sglang: a request unanswered for this long fails the rollout job
+    request_timeout_s: float = 1800.0  # vllm/sglang: a generate request unanswered for this long fails the rollout job
     staging_dir: str = ""  # vllm/sglang: node-local directory for weights received in memory ("" = /dev/shm or /tmp)
     replicas: int = 1  # independent rollout processes (all share the admission ledger)
     group_size: int = 8  # samples per prompt (a prompt group)
@@ -53,5 +55,8 @@ class RolloutConfig:
         for name in ("server_start_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.server_url and self.replicas > 1:
+            raise ValueError(f"server_url: one server per rollout replica (each one pauses and reloads it), but "
+                             f"replicas={self.replicas}; leave server_url empty to start one server per replica")
         if self.server_url and not self.server_url.startswith(("http://", "https://")):
             raise ValueError(f"server_url: expected http://host:port, got {self.server_url!r}")

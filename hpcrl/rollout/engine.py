@@ -45,7 +45,7 @@ class SamplingParams:
 
     max_new_tokens: int = 16  # output tokens per request, eos included
     temperature: float = 1.0  # > 0; logprobs are log softmax(logits / temperature)
-    greedy: bool = False  # argmax; logprobs still reported under the tempered distribution
+    greedy: bool = False  # argmax; the torch engine reports tempered logprobs, vLLM/SGLang raw log_softmax (T=0)
     ignore_eos: bool = False  # generate max_new_tokens even past eos (benchmarks with fixed lengths)
 
     def __post_init__(self) -> None:

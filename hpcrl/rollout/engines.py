@@ -11,8 +11,8 @@
   ``close``. Weights that exist only in memory (collective and colocated
   modes) and the server's view of the model are staged in a node-local
   directory (``rollout.staging_dir``, default ``/dev/shm``) named by the
-  rollout's pid; ``close`` removes it, and a later start on the node removes
-  those of processes that died. The server loads the initial policy; the rollout then hands it
+  rollout's host and pid; ``close`` removes it, and a later start on the
+  same host removes those of processes that died. The server loads the initial policy; the rollout then hands it
   the newest published version like any later one.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
     from hpcrl.rollout.server import ServerProcess, free_port
 
     staging = _staging_dir(Path(cfg.staging_dir or _node_local()), site.name)
+    staging.mkdir(parents=True, exist_ok=True)
     if cfg.engine == "vllm":
         from hpcrl.rollout import vllm_engine as backend_mod
         backend = backend_mod.VLLMBackend()
@@ -77,24 +79,33 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         server = ServerProcess(argv, health_url=url + backend.health_path, env=env,
                                log_path=site.log_dir / f"{site.name}-server.log",
                                start_timeout_s=cfg.server_start_timeout_s)
-        server.start(site.on_wait)
-    engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
-                          request_timeout_s=cfg.request_timeout_s)
+    try:
+        if server is not None:
+            server.start(site.on_wait)
+        engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
+                              request_timeout_s=cfg.request_timeout_s)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         engine.prepare()
     except BaseException:
         engine.close()
         raise
+    engine.on_wait = site.on_wait
     return engine
 
 
 def _staging_dir(root: Path, name: str) -> Path:
-    """``root/hpcrl-<name>-<pid>``, after removing those of processes on this node that are gone."""
-    for old in root.glob("hpcrl-*-*"):
-        pid = old.name.rsplit("-", 1)[-1]
+    """``root/hpcrl-<name>@<host>.<pid>``, after removing those of this host's processes that are gone."""
+    host = socket.gethostname()
+    for old in root.glob(f"hpcrl-*@{host}.*"):
+        pid = old.name.rsplit(".", 1)[-1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(old, ignore_errors=True)
-    return root / f"hpcrl-{name}-{os.getpid()}"
+    return root / f"hpcrl-{name}@{host}.{os.getpid()}"
 
 
 def _node_local() -> str:

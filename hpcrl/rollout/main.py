@@ -34,6 +34,7 @@ from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.engines import EngineSite, build_engine
+from hpcrl.rollout.server import EngineServerError
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.store import Spool
 from hpcrl.weights.transport import WeightTransport, open_transport
@@ -46,23 +47,29 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
     tokenizer = load_tokenizer(prep.init_model)
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
+    spool, reward = Spool(run_dir / "spool"), RewardRunner(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
                       name=f"rollout-{writer or replica}", gpus=_visible_gpus(cfg.launch.rollout.gpus_per_node),
                       on_wait=on_wait)
-    engine = build_engine(cfg.rollout, site, seed=cfg.seed * 1000 + replica, tokenizer=tokenizer, model=model)
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
+    try:  # last: a server started here must not outlive a failure to build the rest
+        engine = build_engine(cfg.rollout, site, seed=cfg.seed * 1000 + replica, tokenizer=tokenizer, model=model)
+    except BaseException:
+        reward.close()
+        raise
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
-                         ledger=ledger, spool=Spool(run_dir / "spool"), reward=RewardRunner(cfg.reward),
-                         writer=writer or f"r{replica}", weights=weights, chat_template=cfg.data.chat_template)
+                         ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
+                         chat_template=cfg.data.chat_template)
 
 
 def _visible_gpus(requested: int) -> int:
-    """Accelerators this job can use: Slurm's/CUDA's visible-devices list, else what launch.rollout asked for."""
+    """Accelerators this job can use: Slurm's/CUDA's visible-devices list, else what launch.rollout asked for,
+    else what torch sees."""
     for var in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
         ids = os.environ.get(var)
         if ids is not None:
             return len([i for i in ids.split(",") if i.strip()])
-    return requested
+    return requested or torch.cuda.device_count()
 
 
 def run(run_dir: Path, replica: int) -> None:
@@ -75,6 +82,8 @@ def run(run_dir: Path, replica: int) -> None:
     heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
     worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer,
                           on_wait=lambda: heartbeat.beat(writer=writer, starting=True))
+    if hasattr(worker.engine, "on_wait"):  # a server engine: a long weight update keeps the heartbeat fresh
+        worker.engine.on_wait = lambda: heartbeat.beat(writer=writer, updating=True)
     done = run_dir / "DONE"
 
     def should_stop() -> bool:
@@ -85,16 +94,23 @@ def run(run_dir: Path, replica: int) -> None:
 
     log.info("rollout %d started (writer %s, %d train rows)", replica, writer, len(worker.rows))
     try:
-        worker.run(should_stop)
+        try:
+            worker.run(should_stop)
+        except EngineServerError:
+            if not preempt.requested:
+                raise
+            log.warning("inference server stopped during preemption (Slurm signals the whole job)")
         worker.flush()  # every finished group reaches the spool before the process goes
         if preempt.requested:
             log.warning("stopping on signal: %d unfinished groups handed back", worker.release_unfinished())
             raise SystemExit(EXIT_REQUEUE)
     finally:
-        worker.close()
-        worker.engine.close()
-        worker.reward.close()
-        weights.close()
+        try:
+            worker.close()
+        finally:
+            worker.engine.close()
+            worker.reward.close()
+            weights.close()
     s = worker.stats
     write_stats(run_dir / "logs" / f"rollout-{replica}.stats.json", worker, getattr(weights, "stats", None))
     log.info("rollout %d done: %d groups, %d samples, %d tokens, %d restarted, %d weight updates", replica,

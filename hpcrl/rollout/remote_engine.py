@@ -27,16 +27,21 @@ entirely under one weight version, and its tokens are tagged with it:
 A sequence's behaviour logprobs are the server's logprobs of the sampled
 tokens under the sampling temperature (vLLM: ``processed_logprobs``).
 
-Failure: a request that fails, an answer that does not parse, or no answer
-within ``request_timeout_s`` raises :class:`EngineServerError` from the next
-``poll`` (the rollout job then fails and the watchdog resubmits it; its
-unfinished tickets are reclaimed). A server this engine started is checked
-at every poll and stopped by :meth:`close`.
+Failure: a request that fails, an answer that does not parse, a request the
+server aborts on its own, or no answer within ``request_timeout_s`` raises
+:class:`EngineServerError` from the next ``poll`` (the rollout job then fails
+and the watchdog resubmits it; its unfinished tickets are reclaimed). A
+version directory pruned while the update drained raises
+``FileNotFoundError`` with nothing changed (the rollout looks again); a
+reload that fails leaves the server's weights unknown, so every later call
+raises. A server this engine started is checked at every poll and stopped
+by :meth:`close`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import shutil
@@ -44,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Awaitable, Callable, Literal, Protocol, TypeVar
 
 import aiohttp
 
@@ -53,6 +58,7 @@ from hpcrl.rollout.server import EngineServerError, ServerProcess
 from hpcrl.weights.version import WeightVersion
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Segment:
     output_ids: list[int]
     logprobs: list[float]
     finish: Literal["stop", "length", "abort"]
+    message: str = ""  # the server's reason, for an abort
 
 
 class ServerBackend(Protocol):
@@ -105,18 +112,23 @@ async def check_response(r: aiohttp.ClientResponse, what: str) -> dict:
 
 
 class RemoteEngine:
+    """Drives one inference server; see the module docstring for the segment protocol."""
+
     def __init__(self, backend: ServerBackend, url: str, *, sampling: SamplingParams, staging_dir: Path,
-                 server: ServerProcess | None = None, version: int = 0, request_timeout_s: float = 600.0,
+                 server: ServerProcess | None = None, version: int = 0, request_timeout_s: float = 1800.0,
                  abort_retry_s: float = 0.2) -> None:
         self.backend, self.url, self.sampling, self.server = backend, url.rstrip("/"), sampling, server
         self.staging_dir, self.request_timeout_s, self.abort_retry_s = Path(staging_dir), request_timeout_s, abort_retry_s
+        self.on_wait: Callable[[], None] | None = None  # called every few seconds while an update blocks (heartbeat)
         self._version = version
-        self._done: queue.Queue[Completion | BaseException] = queue.Queue()
+        self._done: queue.Queue[tuple[Completion, Request] | BaseException] = queue.Queue()
         self._count_lock = threading.Lock()
         self._in_flight = 0
         self._seqs: dict[int, _Seq] = {}
         self._next_key = 0
         self._outstanding = 0  # generate requests sent and not answered (loop thread only)
+        self._interrupts = 0  # aborts this client asked for: an abort the server made on its own is an error
+        self._broken: EngineServerError | None = None  # a failed reload: the server's weights are unknown
         self.stats: dict[str, float] = {"segments": 0, "resubmitted": 0, "weight_updates": 0, "tokens_generated": 0,
                                         "update_s": 0.0, "update_drain_s": 0.0, "update_load_s": 0.0}
         self._loop = asyncio.new_event_loop()
@@ -125,21 +137,30 @@ class RemoteEngine:
         self._call(self._open_session())
 
     async def _open_session(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        # no total timeout: a long generation is legitimate; no byte for request_timeout_s is not
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=self.request_timeout_s)
         self._http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         self._gate = asyncio.Event()
         self._gate.set()
 
-    def _call(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the client loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` on the client loop and wait for it (calling ``on_wait`` every 5 s); transport errors and
+        malformed answers come out as EngineServerError."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                return future.result(5.0)
+            except concurrent.futures.TimeoutError:
+                if self.on_wait is not None:
+                    self.on_wait()
+            except (EngineServerError, FileNotFoundError):
+                raise
+            except Exception as e:  # aiohttp errors, timeouts, a backend's KeyError on a malformed answer
+                raise EngineServerError(f"server at {self.url}: {type(e).__name__}: {e}") from e
 
     def prepare(self) -> None:
         """Ask the backend to get ready (the server must be up); raises EngineServerError."""
-        try:
-            self._call(self.backend.prepare(self._http, self.url), timeout=self.request_timeout_s)
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError) as e:
-            raise EngineServerError(f"server at {self.url} did not answer as expected: {type(e).__name__}: {e}") from e
+        self._call(self.backend.prepare(self._http, self.url))
 
     # ----------------------------------------------------------------- protocol
 
@@ -158,6 +179,8 @@ class RemoteEngine:
         self._loop.call_soon_threadsafe(self._start, _Seq(request, limit))
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
+        if self._broken is not None:
+            raise self._broken
         if self.server is not None:
             self.server.check()
         out: list[Completion] = []
@@ -166,7 +189,7 @@ class RemoteEngine:
             while True:
                 if isinstance(item, BaseException):
                     raise item
-                out.append(item)
+                out.append(item[0])
                 item = self._done.get_nowait()
         except queue.Empty:
             pass
@@ -175,6 +198,8 @@ class RemoteEngine:
         return out
 
     def update_weights(self, weights: WeightVersion) -> None:
+        if self._broken is not None:
+            raise self._broken
         path = weights.directory(self.staging_dir)
         t0 = time.perf_counter()
         self._call(self._update(path, weights.version))
@@ -188,16 +213,22 @@ class RemoteEngine:
         return aborted
 
     def close(self) -> None:
-        if self._loop.is_running():
-            try:
-                self._call(self._shutdown(), timeout=30)
-            except Exception as e:  # the server may be gone already; closing must still finish
-                log.warning("closing the engine client: %s", e)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-        if self.server is not None:
-            self.server.stop()
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        try:
+            if self._loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
+                except Exception as e:  # the server may be gone already; closing must still finish
+                    log.warning("closing the engine client: %s", e)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+                if self._thread.is_alive():
+                    log.warning("engine client thread did not stop within 10 s")
+                else:
+                    self._loop.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     # ----------------------------------------------------------------- client loop
 
@@ -209,9 +240,10 @@ class RemoteEngine:
     async def _generate(self, key: int, seq: _Seq) -> None:
         try:
             while True:
-                await self._gate.wait()
-                version = self._version
-                self._outstanding += 1
+                while not self._gate.is_set():  # re-checked: the gate may close again before this task runs
+                    await self._gate.wait()
+                version, interrupts = self._version, self._interrupts  # no await from the check to here: the
+                self._outstanding += 1  # segment is counted before an update can see it, and runs under this version
                 try:
                     segment = await self.backend.generate(self._http, self.url, seq.request.prompt_ids + seq.output_ids,
                                                           seq.limit - len(seq.output_ids), self.sampling)
@@ -220,15 +252,18 @@ class RemoteEngine:
                 self._record(seq, segment, version)
                 if segment.finish != "abort" or len(seq.output_ids) >= seq.limit:
                     break
+                if self._interrupts == interrupts:  # not ours: resubmitting would loop as fast as the server aborts
+                    raise EngineServerError(f"server aborted a request on its own: {segment.message or 'no reason'}")
                 self.stats["resubmitted"] += 1
             reason = "length" if segment.finish == "abort" else segment.finish
             r = seq.request
-            self._done.put(Completion(r.id, list(r.prompt_ids), seq.output_ids, seq.logprobs, seq.versions, reason))
+            self._done.put((Completion(r.id, list(r.prompt_ids), seq.output_ids, seq.logprobs, seq.versions, reason),
+                            r))
         except asyncio.CancelledError:
             raise
         except EngineServerError as e:
             self._done.put(e)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # a transport error or a malformed answer: the rollout must hear of it
             self._done.put(EngineServerError(f"generate request to {self.url} failed: {type(e).__name__}: {e}"))
         finally:
             self._seqs.pop(key, None)
@@ -246,6 +281,7 @@ class RemoteEngine:
 
     async def _drain(self) -> None:
         """With the gate closed: abort until no generate request is outstanding."""
+        self._interrupts += 1
         while self._outstanding:
             await self.backend.abort_all(self._http, self.url)
             deadline = time.monotonic() + self.abort_retry_s
@@ -254,41 +290,56 @@ class RemoteEngine:
 
     async def _update(self, path: Path, version: int) -> None:
         self._gate.clear()
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             await self._drain()
-            t1 = time.perf_counter()
-            await self.backend.load(self._http, self.url, path, version)
-            self._version = version  # before the gate opens: every later segment runs under it
-            self.stats["update_drain_s"] += t1 - t0
-            self.stats["update_load_s"] += time.perf_counter() - t1
-        finally:
+            if not path.exists():  # pruned while draining: nothing changed on the server; the caller looks again
+                raise FileNotFoundError(path)
+        except BaseException:
             self._gate.set()
+            raise
+        t1 = time.perf_counter()
+        try:
+            await self.backend.load(self._http, self.url, path, version)
+        except Exception as e:  # the server may hold a mix of versions now: nothing more may be generated
+            self._broken = EngineServerError(f"loading version {version} from {path} failed: {e}")
+            raise self._broken from e
+        self._version = version  # before the gate opens: every later segment runs under it
+        self.stats["update_drain_s"] += t1 - t0
+        self.stats["update_load_s"] += time.perf_counter() - t1
+        self._gate.set()
 
     async def _abort_everything(self) -> list[Request]:
         self._gate.clear()
+        self._interrupts += 1
         try:
             tasks = [s.task for s in self._seqs.values() if s.task is not None]
             requests = [s.request for s in self._seqs.values()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.backend.abort_all(self._http, self.url)
             self._seqs.clear()
             self._outstanding = 0
-            while True:  # completions not yet polled are dropped too
+            errors = []
+            while True:  # completions not yet polled are dropped too; errors stay for the next poll
                 try:
                     item = self._done.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(item, Completion):
-                    requests.append(Request(item.id, item.prompt_ids))
+                if isinstance(item, BaseException):
+                    errors.append(item)
+                else:
+                    requests.append(item[1])
+            for e in errors:
+                self._done.put(e)
+            await self.backend.abort_all(self._http, self.url)
             return requests
         finally:
             self._gate.set()
 
     async def _shutdown(self) -> None:
-        for s in list(self._seqs.values()):
-            if s.task is not None:
-                s.task.cancel()
+        tasks = [s.task for s in self._seqs.values() if s.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._http.close()

@@ -1,22 +1,25 @@
 """An inference server the rollout job starts as its child (vLLM, SGLang).
 
-Lifecycle: :meth:`ServerProcess.start` launches the server command in its
-own process group with its output in a log file, then polls its health URL
-until it answers 200; if the process exits first, or ``start_timeout_s``
-passes, the process group is killed and :class:`EngineServerError` is raised
-carrying the end of the server's own log (a bad model path or a port in use
-then reads as the server wrote it). The server's pid is written next to its
-log (``<log>.pid``). While the rollout runs,
-:meth:`ServerProcess.check` raises the same error once the server has died.
-:meth:`ServerProcess.stop` ends the group: SIGTERM, then SIGKILL after a
-grace period. The server never outlives the rollout job: it is stopped on
-every exit path of the rollout, and a rollout killed with SIGKILL takes it
-down through ``PR_SET_PDEATHSIG`` on Linux.
+Lifecycle: :meth:`ServerProcess.start` launches the server command under a
+small guard process (``python -m hpcrl.rollout.server ARGV...``) in a new
+process group, with the output in a log file (its pid beside it,
+``<log>.pid``), then polls the health URL until it answers 200; if the
+process exits first, or ``start_timeout_s`` passes, the group is killed and
+:class:`EngineServerError` is raised carrying the end of the server's own log
+(a bad model path or a port in use then reads as the server wrote it). While
+the rollout runs, :meth:`ServerProcess.check` raises the same error once the
+server has exited (the guard exits with the server's code).
+:meth:`ServerProcess.stop` ends the whole group: SIGTERM, then SIGKILL after
+a grace period.
+
+Why a guard: a server's own children (vLLM's engine core and workers) do not
+die with their parent, so a rollout killed with SIGKILL would leave them
+running, holding cores or GPUs. The guard watches the rollout: once its
+parent is gone it ends the group the same way :meth:`stop` does.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -30,9 +33,6 @@ from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
 
 class EngineServerError(RuntimeError):
     """The inference server could not start, died, or stopped answering; carries its log tail."""
@@ -58,13 +58,48 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def end_group(pgid: int, grace_s: float, reap: Callable[[], object] = lambda: None) -> None:
+    """SIGTERM process group ``pgid``, SIGKILL whatever is left after ``grace_s`` (``reap`` collects zombies)."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return  # nobody left in the group
+    deadline = time.time() + grace_s
+    while time.time() < deadline and _group_alive(pgid):
+        reap()
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def guard(parent: int, argv: list[str]) -> int:
+    """Run ``argv`` (in this process group) until it exits, or until ``parent`` is gone: then end the group.
+
+    The guard ignores SIGTERM, so that :meth:`ServerProcess.stop` (SIGTERM to the group) stops the server and
+    the guard still reports its exit code; SIGKILL ends it with the group.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server = subprocess.Popen(argv, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    while server.poll() is None:
+        if os.getppid() != parent:  # the rollout died (even by SIGKILL): its server must not outlive it
+            end_group(os.getpgrp(), 15.0, reap=server.poll)
+        time.sleep(0.5)
+    return server.returncode
 
 
 class ServerProcess:
+    """One inference server process (group); see the module docstring for its lifecycle."""
+
     def __init__(self, argv: list[str], *, health_url: str, log_path: Path, env: dict[str, str] | None = None,
                  start_timeout_s: float = 600.0, stop_timeout_s: float = 15.0) -> None:
         self.argv, self.health_url, self.log_path = argv, health_url, Path(log_path)
@@ -76,9 +111,10 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting inference server: %s (log %s)", " ".join(self.argv), self.log_path)
         t0 = time.time()
+        guarded = [sys.executable, "-m", "hpcrl.rollout.server", str(os.getpid()), *self.argv]
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(guarded, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env}, start_new_session=True)
         self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")  # for operators (and the kill tests)
         while True:
             if self.proc.poll() is not None:
@@ -107,18 +143,22 @@ class ServerProcess:
             self._fail(f"inference server exited with code {self.proc.returncode}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the server's process group, SIGKILL what is left after the grace period.
+
+        The whole group, even when the server itself is gone: its own children (vLLM's engine core and
+        workers) are in it and do not exit with it.
+        """
+        if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        end_group(self.proc.pid, self.stop_timeout_s, reap=self.proc.poll)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            log.warning("inference server %d did not exit after SIGKILL", self.proc.pid)
 
     def _fail(self, what: str) -> None:
         raise EngineServerError(what, self.log_path, log_tail(self.log_path))
+
+
+if __name__ == "__main__":  # the guard: python -m hpcrl.rollout.server PARENT_PID ARGV...
+    sys.exit(guard(int(sys.argv[1]), sys.argv[2:]))

@@ -12,8 +12,8 @@ answers, SGLang 0.5.x native API (``sglang/srt/entrypoints/http_server.py``,
   ``ignore_eos``, ``skip_special_tokens``, ``no_stop_trim``) and
   ``return_logprob: true``. ``meta_info.output_token_logprobs`` holds
   ``[logprob, token_id, text]`` per output token, ``log softmax(logits / T)``;
-  the tokens are the last ``meta_info.completion_tokens`` of ``output_ids``
-  (0.5.1-0.5.4 prefix ``output_ids`` with prompt tokens), eos included;
+  the tokens are taken from there (0.5.1-0.5.4 prefix ``output_ids`` with
+  prompt tokens), eos included;
   ``meta_info.finish_reason.type`` is ``stop``, ``length`` or ``abort``. An
   aborted request returns the tokens it had; one aborted before its first
   token may have no ``output_ids`` at all (<= 0.5.5).
@@ -55,6 +55,8 @@ def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_
 
 
 class SGLangBackend:
+    """SGLang's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
+
     health_path = "/health"
 
     async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
@@ -74,13 +76,14 @@ class SGLangBackend:
         async with http.post(f"{url}/generate", json=body) as r:
             data = await check_response(r, "POST /generate")
         meta = data["meta_info"]
-        logprobs = meta.get("output_token_logprobs") or []
-        n = int(meta.get("completion_tokens", len(logprobs)))
-        ids = list(data.get("output_ids") or [])
-        ids = ids[len(ids) - n:] if n else []
-        kind = (meta.get("finish_reason") or {}).get("type", "length")
-        return Segment(ids, [float(entry[0]) for entry in logprobs[:n]],
-                       kind if kind in ("stop", "length", "abort") else "length")
+        # each entry is [logprob, token_id, text]: the ids come from there (0.5.1-0.5.4 prefix output_ids with
+        # prompt tokens; a request aborted before its first token may have no output_ids at all)
+        entries = meta.get("output_token_logprobs") or []
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+        return Segment([int(e[1]) for e in entries], [float(e[0]) for e in entries],
+                       kind if kind in ("stop", "length", "abort") else "length",
+                       message=str(finish.get("message", "")) if isinstance(finish, dict) else "")
 
     async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None:
         async with http.post(f"{url}/abort_request", json={"abort_all": True}) as r:

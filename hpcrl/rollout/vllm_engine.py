@@ -110,6 +110,8 @@ def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_
 
 
 class VLLMBackend:
+    """vLLM's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
+
     health_path = "/health"
 
     def __init__(self, model: str = "policy") -> None:

@@ -152,7 +152,7 @@ class FSDPEngine:
         stats = self._token_advantages(minibatches, aux) if self.algo.token_level_advantages else {}
         stats.update(self._advantage_stats([mb for mbs in minibatches for mb in mbs]))
         stats["time/prepare_s"] = time.perf_counter() - t0
-        self._mismatch = [torch.zeros(2, dtype=torch.float64), 0.0]  # (|d| sum, tokens), |d| max
+        self._mismatch = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # |d| sum, tokens, |d| max
         for k, (mbs, aux_k) in enumerate(zip(minibatches, aux)):
             for key, v in self._update(mbs, aux_k, k, len(minibatches)).items():
                 stats[key] = stats.get(key, 0.0) + v / len(minibatches)
@@ -168,16 +168,18 @@ class FSDPEngine:
         a token generated at version v was sampled by those very weights, so
         any difference is the engine's numerics against the trainer's.
         """
-        sel = (mask > 0) & (versions == self.version)
-        d = (logp.detach().double() - behav.double()).abs()[sel]
-        if d.numel():
-            self._mismatch[0] += torch.stack([d.sum(), torch.tensor(float(d.numel()), dtype=torch.float64)]).cpu()
-            self._mismatch[1] = max(self._mismatch[1], float(d.max()))
+        sel = ((mask > 0) & (versions == self.version)).double()
+        d = (logp.detach().double() - behav.double()).abs() * sel  # stays on the device: no sync per micro-batch
+        m = self._mismatch
+        m[0] += d.sum()
+        m[1] += sel.sum()
+        m[2] = torch.maximum(m[2], d.max()) if d.numel() else m[2]
 
     def _mismatch_stats(self) -> dict[str, float]:
-        total, n = self._global_sum(self._mismatch[0]).tolist()
-        hi = torch.tensor([self._mismatch[1]], dtype=torch.float64, device=self.ctx.device)
+        sums, hi = self._mismatch[:2].clone(), self._mismatch[2:].clone()
+        dist.all_reduce(sums)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        total, n = sums.tolist()
         if n == 0:
             return {"mismatch/tokens": 0.0}
         return {"mismatch/tokens": n, "mismatch/abs_mean": total / n, "mismatch/abs_max": float(hi.item())}

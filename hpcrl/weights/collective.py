@@ -86,10 +86,10 @@ class Layout:
     def pack(self, state: Mapping[str, torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         flat, done = self.empty(device), set()
         for name, b, off, shape in self.tensors:
-            if (b, off) not in done:
+            if (b, off, tuple(shape)) not in done:  # an alias has its original's place and shape
                 t = state[name]
                 flat[b][off:off + t.numel()].copy_(t.reshape(-1))
-                done.add((b, off))
+                done.add((b, off, tuple(shape)))
         return flat
 
     def empty(self, device: torch.device) -> list[torch.Tensor]:
@@ -101,9 +101,10 @@ class Layout:
             n = 1
             for s in shape:
                 n *= s
-            if (b, off) not in views:  # an alias shares its original's tensor
-                views[(b, off)] = flat[b][off:off + n].view(shape).cpu()
-            out[name] = views[(b, off)]
+            key = (b, off, tuple(shape))  # an alias shares its original's tensor (a 0-size one shares nothing)
+            if key not in views:
+                views[key] = flat[b][off:off + n].view(shape).cpu()
+            out[name] = views[key]
         return out
 
     def to_json(self) -> str:
