@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from ckpt_tools.__main__ import main as ckpt_main
 from hpcrl.weights.config import WeightsConfig
@@ -48,3 +50,25 @@ def test_ckpt_tools_inspect(tmp_path, capsys) -> None:
     assert info["metadata"]["version"] == "7"
     assert info["total_params"] == 2 * 10 * 4 + 4 * 4  # the tied lm_head is stored as its own copy
     assert ckpt_main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_weight_version_stages_tensors_for_a_server_and_keeps_only_the_newest(tmp_path) -> None:
+    from hpcrl.weights.version import WeightVersion
+
+    on_disk = DiskWeights(tmp_path / "weights", WeightsConfig())
+    on_disk.publish(state(1), 1)
+    located = on_disk.locate(1)
+    assert located.directory(tmp_path / "staging") == on_disk.version_dir(1)  # disk mode: the published dir itself
+    assert torch.equal(located.tensors()["layer.weight"], state(1)["layer.weight"])
+    staged = WeightVersion(2, state=state(2)).directory(tmp_path / "staging")  # collective mode: written once
+    assert staged.name == "v000002"
+    got = load_file(str(staged / "model.safetensors"))
+    assert torch.equal(got["lm_head.weight"], state(2)["embed.weight"])  # the tied alias as its own tensor
+    WeightVersion(3, state=state(3)).directory(tmp_path / "staging")
+    assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == ["v000003"]
+    import shutil
+    shutil.rmtree(on_disk.version_dir(1))
+    with pytest.raises(FileNotFoundError):  # pruned meanwhile: the rollout looks again
+        located.directory(tmp_path / "staging")
+    with pytest.raises(ValueError, match="exactly one"):
+        WeightVersion(4)
