@@ -99,9 +99,23 @@ WALLTIME = ["launch.trainer.time_min=2", "launch.trainer.signal_s=60", "launch.r
 # ~90 s of training at the ~55 steps/s measured here (the 30-60 s signal always comes first, also on a
 # machine 1.5x faster); a slower machine only sees more signalled jobs, each of which must be survived
 STEPS = 5000
-# The whole allocation gets USR2@30 instead (signal 60-90 s after the start): each requeue costs the
-# 1-4 minutes Slurm keeps a requeued job pending, so fewer, longer segments; ~120 s of training here
-HET_STEPS = 6500
+# The whole allocation gets USR2@30 instead (signal 60-90 s after the start, after 15-45 s of start-up):
+# each requeue costs the 1-4 minutes Slurm keeps a requeued job pending, so fewer, longer segments. The
+# run is sized in *seconds* of this machine's pipeline (about 100 s of training: longer than the 45-75 s
+# before the signal, short enough for 2-3 segments), since machines here differ by 3x in speed.
+HET_TRAIN_S = 100
+
+
+@pytest.fixture(scope="module")
+def het_steps(tmp_path_factory) -> int:
+    """HET_TRAIN_S worth of steps, from a short local run of the same config on this machine."""
+    run = tmp_path_factory.mktemp("calibrate") / "run"
+    cmd = [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+           *run_args(run, run.parent / "cache", "trainer.total_steps=300", "eval.every_steps=0")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r["time/step_s"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "time/step_s" in r][50:]
+    return int(HET_TRAIN_S * len(steps) / sum(steps))
 
 
 def test_component_jobs_reaching_their_time_limit_checkpoint_and_are_resubmitted(tmp_path) -> None:
@@ -126,7 +140,7 @@ def test_component_jobs_reaching_their_time_limit_checkpoint_and_are_resubmitted
     assert rep.steps == STEPS and rep.unfinished == 0
 
 
-def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path) -> None:
+def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path, het_steps) -> None:
     """``sbatch --time=2 --signal=B:USR2@30 sbatch/run_async_ppo.sh``: the supervisor stops every
     component at a checkpoint, requeues the job, and the requeued job resumes the run to the end."""
     run, cache = tmp_path / "run", tmp_path / "cache"
@@ -134,7 +148,7 @@ def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path) 
            "HPCRL_OVERRIDES": " ".join(run_args(run, cache, "ckpt.every_steps=100", "eval.every_steps=0",
                                                 "launch.preempt_grace_s=20")[1:])}
     sub = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR2@30", f"--output={tmp_path}/b-%j.out",
-                          str(ROOT / "sbatch/run_async_ppo.sh"), f"trainer.total_steps={HET_STEPS}"],
+                          str(ROOT / "sbatch/run_async_ppo.sh"), f"trainer.total_steps={het_steps}"],
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
@@ -150,4 +164,4 @@ def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path) 
     assert log_lines(trainer_log, "received SIGUSR2") and log_lines(trainer_log, "resumed from")
     rep = audit(run)
     assert rep.ok, rep.violations
-    assert rep.steps == HET_STEPS and rep.unfinished == 0
+    assert rep.steps == het_steps and rep.unfinished == 0
