@@ -32,9 +32,9 @@ from hpcrl.data.config import DataConfig
 from hpcrl.eval.config import EvalConfig
 from hpcrl.launch.config import LaunchConfig
 from hpcrl.model.config import ModelConfig
-from hpcrl.reward.runner import RewardConfig
+from hpcrl.reward.config import RewardConfig
 from hpcrl.rollout.config import RolloutConfig
-from hpcrl.sft.warm_start import SFTConfig
+from hpcrl.sft.config import SFTConfig
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.watchdog.config import WatchdogConfig
 from hpcrl.weights.config import WeightsConfig

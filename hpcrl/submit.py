@@ -32,9 +32,9 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
-from hpcrl.launch.logs import setup_logging
-from hpcrl.launch.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
-from hpcrl.launch.prepare import prepare
+from hpcrl.runtime.logs import setup_logging
+from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
+from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
 from hpcrl.launch.supervisor import RunPreempted, supervise
 from hpcrl.metrics.writer import read_metrics

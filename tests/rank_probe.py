@@ -5,7 +5,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from hpcrl.launch.dist import discover, init_from_env
+from hpcrl.runtime.dist import discover, init_from_env
 
 torch.set_num_threads(1)
 source = discover().source if not dist.is_initialized() else "?"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.launch.dist import free_port
+from hpcrl.runtime.dist import free_port
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, model_path, out_dir, micro_tokens: i
     torch.set_num_threads(1)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hpcrl.launch.dist import init_from_env
+    from hpcrl.runtime.dist import init_from_env
     from hpcrl.trainer.fsdp import FSDPEngine
     from test_trainer import make_groups
 

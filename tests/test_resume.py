@@ -29,8 +29,8 @@ from hpcrl.audit import audit
 from hpcrl.ckpt import store
 from hpcrl.config import load_config, save
 from hpcrl.data.arithmetic import write_addition_dataset
-from hpcrl.launch.dist import free_port
-from hpcrl.launch.prepare import Prepared
+from hpcrl.runtime.dist import free_port
+from hpcrl.prepare import Prepared
 from hpcrl import atomic
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model

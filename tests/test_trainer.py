@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.launch.dist import free_port
+from hpcrl.runtime.dist import free_port
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
@@ -86,7 +86,7 @@ def _tiny_model(path) -> None:
 def _train_rank(rank, world, port, model_path, out, micro_tokens, backend="gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from hpcrl.launch.dist import init_from_env
+    from hpcrl.runtime.dist import init_from_env
     from hpcrl.trainer.fsdp import FSDPEngine
 
     ctx = init_from_env(backend)
@@ -136,7 +136,7 @@ def test_fsdp_two_ranks_many_micro_batches_equal_one_rank(tmp_path) -> None:
 def _anchor_rank(model_path, out, decoupled: bool) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
-    from hpcrl.launch.dist import init_from_env
+    from hpcrl.runtime.dist import init_from_env
     from hpcrl.trainer.fsdp import FSDPEngine
 
     ctx = init_from_env("gloo")
@@ -170,7 +170,7 @@ def test_plain_ppo_anchors_on_the_behaviour_policy(tmp_path) -> None:
 def _prox_rank(model_path, out, n_minibatches: int, reuse: bool) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
-    from hpcrl.launch.dist import init_from_env
+    from hpcrl.runtime.dist import init_from_env
     from hpcrl.trainer.fsdp import FSDPEngine
 
     ctx = init_from_env("gloo")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpcrl.launch.preempt import EXIT_REQUEUE
+from hpcrl.runtime.preempt import EXIT_REQUEUE
 from hpcrl.watchdog.config import WatchdogConfig
 from hpcrl.watchdog.policy import Watchdog
 

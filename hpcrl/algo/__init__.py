@@ -11,18 +11,38 @@ every micro-batch calls :func:`decoupled_ppo_loss` (and
 :func:`loss_normaliser`.
 """
 
-from hpcrl.algo.advantages import group_advantages, resolve_levels, uniform_groups
-from hpcrl.algo.aggregate import aggregate, loss_normaliser
-from hpcrl.algo.config import AlgoConfig
-from hpcrl.algo.dapo import is_informative, overlong_penalty
-from hpcrl.algo.gae import gae, masked_moments, token_rewards, value_loss_per_token, whiten
-from hpcrl.algo.kl import kl_estimate, token_entropy
-from hpcrl.algo.losses import LossOutput, behaviour_weight, decoupled_ppo_loss, token_logprobs
-from hpcrl.algo.prox import approx_prox_logprobs
 
-__all__ = [
-    "AlgoConfig", "LossOutput", "aggregate", "approx_prox_logprobs", "behaviour_weight", "decoupled_ppo_loss",
-    "gae", "group_advantages", "is_informative", "kl_estimate", "loss_normaliser", "masked_moments",
-    "overlong_penalty", "resolve_levels", "token_entropy", "token_logprobs", "token_rewards", "uniform_groups",
-    "value_loss_per_token", "whiten",
-]
+from importlib import import_module
+from typing import Any
+
+# name -> defining module, imported on first use: importing a package's config (as the root
+# config does) must not pull in torch
+_LAZY = {
+    "group_advantages": "hpcrl.algo.advantages",
+    "resolve_levels": "hpcrl.algo.advantages",
+    "uniform_groups": "hpcrl.algo.advantages",
+    "aggregate": "hpcrl.algo.aggregate",
+    "loss_normaliser": "hpcrl.algo.aggregate",
+    "AlgoConfig": "hpcrl.algo.config",
+    "is_informative": "hpcrl.algo.dapo",
+    "overlong_penalty": "hpcrl.algo.dapo",
+    "gae": "hpcrl.algo.gae",
+    "masked_moments": "hpcrl.algo.gae",
+    "token_rewards": "hpcrl.algo.gae",
+    "value_loss_per_token": "hpcrl.algo.gae",
+    "whiten": "hpcrl.algo.gae",
+    "kl_estimate": "hpcrl.algo.kl",
+    "token_entropy": "hpcrl.algo.kl",
+    "LossOutput": "hpcrl.algo.losses",
+    "behaviour_weight": "hpcrl.algo.losses",
+    "decoupled_ppo_loss": "hpcrl.algo.losses",
+    "token_logprobs": "hpcrl.algo.losses",
+    "approx_prox_logprobs": "hpcrl.algo.prox",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcrl.algo' has no attribute {name!r}")

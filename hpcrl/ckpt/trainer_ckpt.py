@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from hpcrl import atomic
 from hpcrl.ckpt import store
 from hpcrl.ckpt.config import CheckpointConfig
-from hpcrl.launch.dist import DistContext
+from hpcrl.runtime.dist import DistContext
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.config import RunConfig
-from hpcrl.launch.dist import free_port
+from hpcrl.runtime.dist import free_port
 from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, Scheduler, log_tail, python_module
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.finalize import finalize
-from hpcrl.launch.heartbeat import read_heartbeats
-from hpcrl.launch.preempt import PreemptionFlag
+from hpcrl.runtime.heartbeat import read_heartbeats
+from hpcrl.runtime.preempt import PreemptionFlag
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.spool.store import Spool
 from hpcrl.watchdog.policy import Decision, Watchdog
@@ -60,7 +60,7 @@ def _specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     logs = run_dir / "logs"
     rd = ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
-        return [ComponentSpec("colocated", python_module("hpcrl.launch.colocated", *rd), logs / "colocated.log")]
+        return [ComponentSpec("colocated", python_module("hpcrl.colocated", *rd), logs / "colocated.log")]
     if cfg.launch.scheduler != "local":
         return _slurm_specs(cfg, run_dir)
     world, port = cfg.trainer.world_size, str(free_port())
@@ -77,7 +77,7 @@ def _slurm_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     """One trainer job/step with world_size tasks (ranks from SLURM_PROCID), one per rollout replica."""
     logs, rd = run_dir / "logs", ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
-        return [ComponentSpec("colocated", python_module("hpcrl.launch.colocated", *rd), logs / "colocated.log",
+        return [ComponentSpec("colocated", python_module("hpcrl.colocated", *rd), logs / "colocated.log",
                               resources=cfg.launch.trainer)]
     specs = [ComponentSpec("trainer", python_module("hpcrl.trainer", *rd), logs / "trainer-r{rank}.log",
                            resources=cfg.launch.trainer, tasks=cfg.trainer.world_size)]

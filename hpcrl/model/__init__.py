@@ -1,14 +1,13 @@
 """Model and tokenizer IO (offline HuggingFace folders) and the tiny test model.
 
-The tiny-model names are resolved lazily so that ``python -m hpcrl.model.tiny``
+Every name is resolved lazily: loading a config must not import torch, and ``python -m hpcrl.model.tiny``
 does not import its own module twice.
 """
 
 from typing import Any
 
-from hpcrl.model.hf_io import encode_prompt, load_model, load_tokenizer, save_model, unknown_characters
-
 _TINY = ("CHARSET", "TinyModelConfig", "build_char_tokenizer", "build_tiny_model")
+_IO = ("encode_prompt", "load_model", "load_tokenizer", "save_model", "unknown_characters")
 
 __all__ = [
     *_TINY,
@@ -25,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from hpcrl.model import tiny
 
         return getattr(tiny, name)
+    if name in _IO:  # imported on first use: the root config imports hpcrl.model.config, which must stay light
+        from hpcrl.model import hf_io
+
+        return getattr(hf_io, name)
     raise AttributeError(f"module 'hpcrl.model' has no attribute {name!r}")

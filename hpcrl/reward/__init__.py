@@ -6,16 +6,26 @@ Only the standard library is imported here, so a spawned reward worker stays
 light.
 """
 
-from hpcrl.reward.math_verify import answers_match, extract_answer, math_reward, parse_number
-from hpcrl.reward.runner import RewardConfig, RewardResult, RewardRunner, load_function
 
-__all__ = [
-    "RewardConfig",
-    "RewardResult",
-    "RewardRunner",
-    "answers_match",
-    "extract_answer",
-    "load_function",
-    "math_reward",
-    "parse_number",
-]
+from importlib import import_module
+from typing import Any
+
+# name -> defining module, imported on first use: importing a package's config (as the root
+# config does) must not pull in torch
+_LAZY = {
+    "answers_match": "hpcrl.reward.math_verify",
+    "extract_answer": "hpcrl.reward.math_verify",
+    "math_reward": "hpcrl.reward.math_verify",
+    "parse_number": "hpcrl.reward.math_verify",
+    "RewardConfig": "hpcrl.reward.runner",
+    "RewardResult": "hpcrl.reward.runner",
+    "RewardRunner": "hpcrl.reward.runner",
+    "load_function": "hpcrl.reward.runner",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcrl.reward' has no attribute {name!r}")

@@ -27,10 +27,10 @@ import torch
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import RunConfig, load_saved
-from hpcrl.launch.heartbeat import Heartbeat
-from hpcrl.launch.preempt import EXIT_REQUEUE, PreemptionFlag
-from hpcrl.launch.logs import setup_logging
-from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared
+from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
+from hpcrl.runtime.logs import setup_logging
+from hpcrl.prepare import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.engines import EngineSite, build_engine

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hpcrl.sft.config import SFTConfig  # noqa: F401 (re-exported)
 from hpcrl import atomic
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
@@ -44,32 +45,6 @@ RESULT_FILE = "result.json"
 _KEY_VERSION = 1  # bump when the training recipe changes what a key produces
 
 
-@dataclass
-class SFTConfig:
-    enabled: bool = True  # run the warm start before RL (false: RL starts from the base model)
-    lr: float = 2e-3  # AdamW learning rate after warm-up
-    batch_size: int = 128  # rows per optimizer step
-    max_steps: int = 2000  # give up (keeping the best model) after this many steps
-    warmup_steps: int = 20  # linear learning-rate warm-up
-    eval_every: int = 25  # greedy accuracy is checked every this many steps
-    eval_size: int = 500  # ...on the first eval_size eval rows
-    target_accuracy: float = 0.2  # stop as soon as reached (RL then has room to improve)
-    seed: int = 0  # batch order seed
-    threads: int = 2  # torch intra-op threads while training
-    cache_dir: str = "~/.cache/hpcrl/sft"  # finished warm starts are cached here by content hash
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
-        for name in ("batch_size", "max_steps", "eval_every", "eval_size", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.target_accuracy:
-            raise ValueError(f"target_accuracy: must be >= 0, got {self.target_accuracy}")
-        if not self.cache_dir:
-            raise ValueError("cache_dir: must be a non-empty path")
 
 
 @dataclass

@@ -52,7 +52,7 @@ from hpcrl.algo import (
 )
 from hpcrl.algo.config import AlgoConfig
 from hpcrl.algo.losses import decoupled_ppo_loss, loss_normaliser, token_logprobs
-from hpcrl.launch.dist import DistContext
+from hpcrl.runtime.dist import DistContext
 from hpcrl.model.hf_io import load_model
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig

@@ -34,11 +34,11 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.ckpt.reconcile import reconcile
 from hpcrl.ckpt.trainer_ckpt import Checkpointer
 from hpcrl.config import RunConfig, config_hash, load_saved
-from hpcrl.launch.dist import DistContext, init_from_env
-from hpcrl.launch.heartbeat import Heartbeat
-from hpcrl.launch.logs import setup_logging
-from hpcrl.launch.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
-from hpcrl.launch.prepare import Prepared, load_datasets, load_prepared, scorer
+from hpcrl.runtime.dist import DistContext, init_from_env
+from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.logs import setup_logging
+from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
+from hpcrl.prepare import Prepared, load_datasets, load_prepared, scorer
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.spool.format import TrajectoryGroup

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from hpcrl.launch.preempt import EXIT_REQUEUE
+from hpcrl.runtime.preempt import EXIT_REQUEUE
 from hpcrl.watchdog.config import WatchdogConfig
 
 

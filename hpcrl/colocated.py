@@ -1,6 +1,6 @@
 """Colocated mode: one process alternates generation and training.
 
-``python -m hpcrl.launch.colocated --run-dir DIR``. The trainer's schedule
+``python -m hpcrl.colocated --run-dir DIR``. The trainer's schedule
 (:func:`hpcrl.trainer.main.train_loop`) runs unchanged; while it waits for a
 batch it pumps an in-process rollout worker, and a new version is handed to
 that worker's engine in memory (no disk, no collective). With
@@ -21,10 +21,10 @@ import torch.distributed as dist
 from hpcrl import atomic
 from hpcrl.ckpt.trainer_ckpt import Checkpointer
 from hpcrl.config import config_hash, load_saved
-from hpcrl.launch.dist import init_from_env
-from hpcrl.launch.heartbeat import Heartbeat
-from hpcrl.launch.logs import setup_logging
-from hpcrl.launch.prepare import load_prepared
+from hpcrl.runtime.dist import init_from_env
+from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.logs import setup_logging
+from hpcrl.prepare import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.rollout.main import build_worker, write_stats
 from hpcrl.trainer.fsdp import FSDPEngine
@@ -77,7 +77,7 @@ def run(run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hpcrl.launch.colocated", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.colocated", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)
     run(parser.parse_args(argv).run_dir)
 
