@@ -23,6 +23,8 @@ from hpcrl.ckpt.trainer_ckpt import Checkpointer
 from hpcrl.config import config_hash, load_saved
 from hpcrl.runtime.dist import init_from_env
 from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.owner import Fence, exit_when_fenced
+from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepare import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
@@ -36,8 +38,15 @@ log = logging.getLogger(__name__)
 
 
 def run(run_dir: Path) -> None:
+    with exit_when_fenced():
+        _run(run_dir)
+
+
+def _run(run_dir: Path) -> None:
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
     setup_logging("colocated")
+    fence = Fence.from_env(run_dir, cfg.launch.orphan_grace_s)
+    fence.check("start")
     if cfg.trainer.world_size != 1:
         raise ValueError("trainer.world_size: colocated mode runs a single process; set it to 1")
     ctx = init_from_env(cfg.trainer.backend)
@@ -45,26 +54,33 @@ def run(run_dir: Path) -> None:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(prep.init_model)
     engine = FSDPEngine(prep.init_model, cfg.trainer, cfg.algo, ctx, tokenizer.pad_token_id)
-    worker = build_worker(cfg, run_dir, prep, 0)
-    feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer)
-    heartbeat = Heartbeat(run_dir, "colocated", cfg.launch.heartbeat_interval_s)
+    worker = build_worker(cfg, run_dir, prep, 0, writer=f"c-{fence.instance}", fence=fence)
+    feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
+    heartbeat = Heartbeat(run_dir, f"colocated@{fence.instance}", cfg.launch.heartbeat_interval_s)
 
     def wait() -> None:
+        if fence.orphaned():
+            raise Preempted("the supervisor is gone")
         if not worker.pump():
             time.sleep(cfg.rollout.poll_interval_s)
 
-    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
     try:
-        start = resume(cfg, ctx, engine, checkpointer, feed, reporter, DiskWeights(run_dir / "weights", cfg.weights))
+        start = resume(cfg, ctx, engine, checkpointer, feed, reporter,
+                       DiskWeights(run_dir / "weights", cfg.weights, fence), fence)
         def publish(state, version: int) -> None:
             worker.engine.update_weights(WeightVersion(version, state=state))
 
         if start:
             publish(engine.full_state_dict(), start)
         train_loop(cfg, ctx, engine, feed, reporter, publish, wait=wait, heartbeat=heartbeat,
-                   checkpointer=checkpointer, start_version=start)
+                   checkpointer=checkpointer, start_version=start, fence=fence)
+        fence.check("DONE")
         atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
         write_stats(run_dir / "logs" / "colocated.stats.json", worker)
+    except Preempted as e:
+        log.warning("stopped (%s): checkpoint committed, exiting for a restart", e)
+        raise SystemExit(EXIT_REQUEUE) from None
     finally:
         reporter.close()
         runner.close()

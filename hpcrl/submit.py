@@ -16,7 +16,14 @@ resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
 (``prepared.json``) -> start and supervise the components -> print a summary
 (initial and final held-out accuracy, wall time, throughput) and write it to
 ``<run_dir>/summary.json``. Exit 0 when the run completed, 1 when a component
-failed, 2 on a bad config, 75 when stopped by a signal (resume it).
+failed, 2 on a bad config, 3 when another ``--resume`` took the run over,
+75 when stopped by a signal (resume it).
+
+``--resume`` is safe while parts of the run still live (a supervisor was
+killed, its components were not): the new supervisor claims a new owner
+epoch, which fences everything the previous owner started, stops those
+processes and jobs (waiting for them to exit by themselves, killing what
+does not), says what it did, and only then starts its own.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
 from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
-from hpcrl.launch.supervisor import RunPreempted, supervise
+from hpcrl.launch.supervisor import RunPreempted, RunTakenOver, supervise
+from hpcrl.runtime.owner import EXIT_FENCED
 from hpcrl.metrics.writer import read_metrics
 
 log = logging.getLogger("hpcrl.submit")
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except ComponentFailed as e:
         log.error("%s", e)
         return 1
+    except RunTakenOver as e:
+        log.error("%s", e)
+        return EXIT_FENCED
     except RunPreempted as e:
         if request_slurm_requeue():
             log.warning("%s; Slurm requeues this job and it resumes %s", e, run_dir)

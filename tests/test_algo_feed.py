@@ -14,12 +14,16 @@ from hpcrl.trainer import batch as B
 from hpcrl.trainer.feed import BatchFeed
 
 
-def group(ticket: int, rewards: list[float], lengths: list[int] | None = None) -> TrajectoryGroup:
+def group(ticket: int, rewards: list[float], lengths: list[int] | None = None,
+          ledger: AdmissionLedger | None = None) -> TrajectoryGroup:
+    """A group; with ``ledger``, it carries its ticket's dataset position as the rollout writes it."""
     lengths = lengths or [3] * len(rewards)
     samples = [Sample(response_ids=np.full(n, 5, np.int32), behav_logprobs=np.full(n, -1.0, np.float32),
                       versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=r,
                       finish_reason="stop") for r, n in zip(rewards, lengths)]
-    return TrajectoryGroup(ticket=ticket, writer="w", prompt_ids=np.array([7, 8], np.int32), samples=samples)
+    meta = {"epoch": ledger.ticket(ticket).epoch, "row": ledger.ticket(ticket).row} if ledger else {}
+    return TrajectoryGroup(ticket=ticket, writer="w", prompt_ids=np.array([7, 8], np.int32), samples=samples,
+                           meta=meta)
 
 
 def test_dynamic_sampling_drops_uniform_groups_and_frees_admission(tmp_path) -> None:
@@ -29,7 +33,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_frees_admission(tmp_path) -> 
         assert ledger.try_admit(0, "w") is not None
     assert ledger.try_admit(0, "w") is None  # the bound (B = 2, eta = 0) is reached
     for t, rewards in enumerate([[1.0, 1.0], [0.0, 1.0]]):
-        spool.publish(group(t, rewards))
+        spool.publish(group(t, rewards, ledger=ledger))
     feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=0, timeout_s=5,
                      keep=B.informative_filter(AlgoConfig(dynamic_sampling=True)))
     admitted = []
@@ -38,7 +42,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_frees_admission(tmp_path) -> 
         ticket = ledger.try_admit(0, "w")
         if ticket is not None:
             admitted.append(ticket)
-            spool.publish(group(2 + len(admitted) - 1, [0.0, 0.5]))
+            spool.publish(group(ticket.index, [0.0, 0.5], ledger=ledger))
 
     groups = feed.next_batch(0, wait)
     assert sorted(g.ticket for g in groups) == [1, 2]

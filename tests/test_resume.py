@@ -27,10 +27,11 @@ from safetensors.torch import load_file
 
 from hpcrl.audit import audit
 from hpcrl.ckpt import store
-from hpcrl.config import load_config, save
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.config import load_config, load_saved, save
 from hpcrl.data.arithmetic import write_addition_dataset
 from hpcrl.runtime.dist import free_port
-from hpcrl.prepare import Prepared
+from hpcrl.prepare import Prepared, load_prepared
 from hpcrl import atomic
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
@@ -68,7 +69,11 @@ def make_run(run_dir: Path, assets: Path, world_size: int, extra: tuple[str, ...
 
 
 def feed_groups(run_dir: Path, tickets: range) -> None:
+    """Admitted groups in the spool, as a rollout writer "r0" would have published them."""
     spool = Spool(run_dir / "spool")
+    cfg = load_saved(run_dir)
+    rows = sum(1 for _ in open(load_prepared(run_dir).train_path))
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, rows, cfg.seed)
     for t in tickets:
         rng = np.random.default_rng(t)
         samples = []
@@ -76,9 +81,10 @@ def feed_groups(run_dir: Path, tickets: range) -> None:
             n = int(rng.integers(1, 5))
             samples.append(Sample(rng.integers(3, 40, n).astype(np.int32), (-rng.random(n)).astype(np.float32),
                                   np.zeros(n, np.int32), np.ones(n, np.uint8), float(i % 2), "stop"))
+        (run_dir / "admission" / "tickets" / f"t{t:09d}").write_text('{"writer": "r0"}')
+        position = {"epoch": ledger.ticket(t).epoch, "row": ledger.ticket(t).row}
         spool.publish(TrajectoryGroup(ticket=t, writer="r0", prompt_ids=rng.integers(3, 40, 5).astype(np.int32),
-                                      samples=samples))
-        (run_dir / "admission" / "tickets" / f"t{t:09d}").write_text("{}")
+                                      samples=samples, meta=position))
 
 
 def start_trainer(run_dir: Path, world_size: int) -> list[subprocess.Popen]:

@@ -7,10 +7,18 @@ Lifecycle and ordering rules (DESIGN 3.2):
   ``n`` is the file ``tickets/t<n>`` created with ``O_CREAT | O_EXCL``, so
   any number of rollout processes on any number of nodes share one counter
   without locks, and tickets are contiguous from 0.
-* Ticket ``n`` may be created only while ``n - dropped < (v + eta + 1) * B``,
-  where ``v`` is the generating version, ``eta`` the maximum staleness and
-  ``dropped`` the groups the trainer discarded (quarantined or stale), which
-  would otherwise never arrive and stall the bound.
+* The bound: a ticket, new or reissued, is handed out only while
+  ``created - pending - dropped < (v + eta + 1) * B``, where ``created`` is
+  the number of tickets created so far, ``pending`` the reissued tickets
+  waiting for a taker, ``dropped`` the groups the trainer discarded (which
+  would otherwise never arrive and stall the bound), ``v`` the generating
+  version and ``eta`` the maximum staleness. Each term counts groups that
+  will be trained: a waiting reissue frees the slot of the generation it
+  replaces, and taking it fills the slot again. So regenerated work never
+  exceeds what the trainer consumes by ``v + eta``, and a burst of reissues
+  (a trainer restart, a dead rollout) is drained at the trainer's pace
+  instead of going stale and being reissued again (a regeneration storm).
+  Concurrent takers may overshoot by at most one ticket each.
 * Ticket ``n`` maps deterministically to a dataset row: epoch ``n // N``,
   position ``perm(seed, epoch)[n % N]``. The data order is reproducible, and
   the ledger on disk *is* the dataloader state: nothing to checkpoint.
@@ -20,18 +28,30 @@ Lifecycle and ordering rules (DESIGN 3.2):
   from a policy version lost in a trainer restart) is *reissued*:
   :meth:`reissue` creates ``reissue/t<n>``, and the next :meth:`try_admit`
   of any rollout takes it by renaming it to ``reissue/t<n>.taken-<writer>``
-  (one rename succeeds, so exactly one rollout regenerates it). A reissued
-  ticket is already counted as admitted, so it is handed out regardless of
-  the bound.
+  (one rename succeeds, so exactly one rollout regenerates it). Reissues are
+  taken before new tickets, under the same bound.
+* Only the current holder of a ticket (:meth:`holder`: its creator, or the
+  latest taker of its reissue) changes its outcome: the trainer records a
+  drop or a reissue for a file only when the file's writer holds the ticket
+  and the ticket has no outcome yet (``hpcrl.trainer.feed``).
+* Every state-changing call checks the ownership fence first
+  (:class:`hpcrl.runtime.owner.Fence`): a component of a replaced owner
+  cannot change the ledger. Records carry the writer's owner epoch.
+* ``meta.json`` records the dataset size and seed, so tools (the audit) map
+  tickets to dataset positions without the dataset.
 
 Cost: ``try_admit`` lists ``reissue/`` and ``dropped/`` on every call (the
 counters are files, so they are never cached: a cached count could miss a
-drop and stall the bound), with ``os.listdir`` rather than ``Path`` objects.
+drop and stall the bound), with ``os.listdir`` rather than ``Path`` objects,
+and finds ``created`` by probing forward from the last ticket it saw.
+Retention: :meth:`compact_reissues` folds taken reissue files of finished
+tickets into ``reissue.jsonl``, so ``reissue/`` holds only live ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -39,7 +59,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcrl import atomic
 from hpcrl.admission.config import AdmissionConfig
+from hpcrl.runtime.owner import Fence, NoFence
+
+log = logging.getLogger(__name__)
 
 
 def create_exclusive(path: Path, record: dict) -> bool:
@@ -64,7 +88,8 @@ class Ticket:
 
 
 class AdmissionLedger:
-    def __init__(self, root: str | Path, cfg: AdmissionConfig, num_rows: int, seed: int = 0) -> None:
+    def __init__(self, root: str | Path, cfg: AdmissionConfig, num_rows: int, seed: int = 0,
+                 fence: Fence | NoFence | None = None) -> None:
         if num_rows < 1:
             raise ValueError("num_rows: the training dataset is empty")
         self.root = Path(root)
@@ -78,27 +103,68 @@ class AdmissionLedger:
             d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
         self._perms: dict[int, np.ndarray] = {}
+        self.fence = fence or NoFence()
+        meta = self.root / "meta.json"
+        if num_rows > 1 and not meta.exists():  # num_rows=1: a tool that needs no dataset mapping
+            atomic.write_json(meta, {"num_rows": num_rows, "seed": seed})
+
+    def _record(self, **fields) -> dict:
+        return {**fields, "epoch": self.fence.epoch}
 
     # -- the bound -------------------------------------------------------
     def limit(self, version: int) -> int:
-        """Number of tickets that may exist while generating with ``version``."""
-        return (version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped()
+        """``created`` may grow up to this while generating with ``version`` (see the bound above)."""
+        return ((version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped()
+                + len(self.pending_reissues()))
+
+    def num_created(self) -> int:
+        """Tickets created so far (they are contiguous from 0): probe forward from the last one seen."""
+        while os.path.exists(self.tickets_dir / f"t{self._cursor:09d}"):
+            self._cursor += 1
+        return self._cursor
 
     def try_admit(self, version: int, writer: str) -> Ticket | None:
-        """A reissued ticket if any, else the next ticket if the staleness bound allows it, else None."""
+        """A reissued ticket if any, else the next new ticket, if the bound allows one; else None."""
+        self.fence.check("admission")
+        limit = self.limit(version)
+        if self.num_created() >= limit:
+            return None
         reissued = self._take_reissued(writer)
         if reissued is not None:
             return reissued
-        limit = self.limit(version)
         while self._cursor < limit:
             index, self._cursor = self._cursor, self._cursor + 1
-            if create_exclusive(self.tickets_dir / f"t{index:09d}", {"writer": writer, "version": version}):
+            if create_exclusive(self.tickets_dir / f"t{index:09d}",
+                                self._record(writer=writer, version=version)):
                 return self.ticket(index)
         return None
 
     def reissue(self, index: int, reason: str) -> None:
         """Hand ticket ``index`` out again (idempotent while it waits)."""
-        create_exclusive(self.reissue_dir / f"t{index:09d}", {"reason": reason})
+        self.fence.check("reissue")
+        create_exclusive(self.reissue_dir / f"t{index:09d}", self._record(reason=reason))
+
+    def admitted(self, index: int) -> bool:
+        return index < self._cursor or os.path.exists(self.tickets_dir / f"t{index:09d}")
+
+    def is_dropped(self, index: int) -> bool:
+        return os.path.exists(self.dropped_dir / f"t{index:09d}")
+
+    def reissue_pending(self, index: int) -> bool:
+        return os.path.exists(self.reissue_dir / f"t{index:09d}")
+
+    def holder(self, index: int) -> str | None:
+        """The writer that owns ticket ``index``'s generation now (None: never admitted)."""
+        prefix = f"t{index:09d}.taken-"
+        taken = [n[len(prefix):] for n in os.listdir(self.reissue_dir) if n.startswith(prefix)]
+        if taken:
+            return max(taken, key=lambda rest: int(rest.rsplit("-", 1)[1])).rsplit("-", 1)[0]
+        try:
+            return json.loads((self.tickets_dir / f"t{index:09d}").read_text() or "{}").get("writer", "")
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:  # being written by its creator right now
+            return ""
 
     def pending_reissues(self) -> list[int]:
         return sorted(int(n[1:]) for n in os.listdir(self.reissue_dir) if n[1:].isdigit())
@@ -152,9 +218,45 @@ class AdmissionLedger:
     def num_dropped(self) -> int:
         return sum(1 for n in os.listdir(self.dropped_dir) if n.startswith("t"))
 
-    def record_drop(self, index: int, reason: str) -> None:
-        """Record that ticket ``index`` will never be trained (idempotent)."""
-        create_exclusive(self.dropped_dir / f"t{index:09d}", {"reason": reason})
+    def record_drop(self, index: int, reason: str) -> bool:
+        """Record that ticket ``index`` will never be trained (idempotent); False (and nothing recorded)
+        for a ticket that was never admitted: a made-up ticket must not loosen the bound."""
+        self.fence.check("drop record")
+        if not self.admitted(index):
+            log.warning("not recording a drop for ticket %d: it was never admitted (%s)", index, reason)
+            return False
+        return create_exclusive(self.dropped_dir / f"t{index:09d}", self._record(reason=reason))
+
+    def compact_reissues(self, finished: set[int]) -> int:
+        """Fold taken reissue files of ``finished`` tickets (trained or dropped) into ``reissue.jsonl``;
+        returns how many. Pending reissues and those of unfinished tickets stay: they name holders."""
+        self.fence.check("reissue compaction")
+        done = [n for n in os.listdir(self.reissue_dir)
+                if ".taken-" in n and n[1:10].isdigit() and int(n[1:10]) in finished]
+        if not done:
+            return 0
+        with open(self.root / "reissue.jsonl", "a") as f:
+            for name in done:
+                ticket, rest = name.split(".taken-", 1)
+                try:
+                    record = json.loads((self.reissue_dir / name).read_text() or "{}")
+                except (FileNotFoundError, json.JSONDecodeError):
+                    record = {}
+                f.write(json.dumps({**record, "ticket": int(ticket[1:]), "taker": rest.rsplit("-", 1)[0]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for name in done:  # after the fsync: a crash in between leaves a line twice, never a loss
+            (self.reissue_dir / name).unlink(missing_ok=True)
+        return len(done)
+
+    def num_reissued(self) -> int:
+        """Reissue events so far: waiting, taken, and compacted ones."""
+        try:
+            with open(self.root / "reissue.jsonl") as f:
+                compacted = sum(1 for _ in f)
+        except FileNotFoundError:
+            compacted = 0
+        return compacted + sum(1 for n in os.listdir(self.reissue_dir) if n.startswith("t"))
 
     def dropped(self) -> dict[int, str]:
         out = {}

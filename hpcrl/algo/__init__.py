@@ -11,9 +11,7 @@ every micro-batch calls :func:`decoupled_ppo_loss` (and
 :func:`loss_normaliser`.
 """
 
-
-from importlib import import_module
-from typing import Any
+from hpcrl._lazy import lazy_namespace
 
 # name -> defining module, imported on first use: importing a package's config (as the root
 # config does) must not pull in torch
@@ -39,10 +37,4 @@ _LAZY = {
     "token_logprobs": "hpcrl.algo.losses",
     "approx_prox_logprobs": "hpcrl.algo.prox",
 }
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcrl.algo' has no attribute {name!r}")
+lazy_namespace(__name__, _LAZY)

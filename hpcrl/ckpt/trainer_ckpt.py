@@ -7,10 +7,12 @@ reloads onto a different number of ranks), the LR-scheduler state, the RNG
 states of every rank (torch, numpy, python), the trainer's counters, and the
 config hash. The admission counters and spool position need no copy: they
 are the files in ``admission/`` and ``spool/trained/step_<v>/`` for v < N,
-which :func:`hpcrl.ckpt.reconcile.reconcile` brings back in line on resume.
+which :func:`hpcrl.trainer.reconcile.reconcile` brings back in line on resume.
 
 Every rank calls :meth:`Checkpointer.save` and :meth:`Checkpointer.restore`
-(both are collective).
+(both are collective). Rank 0 checks the ownership fence right before the
+commit: a trainer of a replaced owner writes its files but never commits
+them (the temporary directory is removed).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hpcrl import atomic
 from hpcrl.ckpt import store
 from hpcrl.ckpt.config import CheckpointConfig
 from hpcrl.runtime.dist import DistContext
+from hpcrl.runtime.owner import Fence, NoFence
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,10 @@ def _dcp_state(engine) -> dict[str, Any]:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, cfg: CheckpointConfig, ctx: DistContext, config_hash: str) -> None:
+    def __init__(self, root: Path, cfg: CheckpointConfig, ctx: DistContext, config_hash: str,
+                 fence: Fence | NoFence | None = None) -> None:
         self.root, self.cfg, self.ctx, self.config_hash = root, cfg, ctx, config_hash
+        self.fence = fence or NoFence()
         self.root.mkdir(parents=True, exist_ok=True)
         self._last_save = time.monotonic()
 
@@ -100,10 +105,14 @@ class Checkpointer:
                 "step": step, "world_size": self.ctx.world_size, "config_hash": self.config_hash,
                 "scheduler": engine.scheduler.state_dict(), "engine_version": engine.version,
                 "critic_scheduler": engine.critic_scheduler.state_dict() if engine.critic_scheduler else None,
-                "time": time.time(), **extra})
-            store.commit(tmp, final)
-            store.prune(self.root, self.cfg.keep_last, self.cfg.keep_every)
-            log.info("checkpoint step %d committed in %.2fs: %s", step, time.time() - t0, final)
+                "time": time.time(), "owner_epoch": self.fence.epoch, **extra})
+            if self.fence.superseded():  # the step boundary that follows stops every rank
+                shutil.rmtree(tmp, ignore_errors=True)
+                log.error("checkpoint step %d not committed: owner epoch %d was replaced", step, self.fence.epoch)
+            else:
+                store.commit(tmp, final)
+                store.prune(self.root, self.cfg.keep_last, self.cfg.keep_every)
+                log.info("checkpoint step %d committed in %.2fs: %s", step, time.time() - t0, final)
         self._barrier()
         self._last_save = time.monotonic()
         return final

@@ -1,8 +1,6 @@
 """Datasets: prompt/answer rows from files, and the synthetic addition task."""
 
-
-from importlib import import_module
-from typing import Any
+from hpcrl._lazy import lazy_namespace
 
 # name -> defining module, imported on first use: importing a package's config (as the root
 # config does) must not pull in torch
@@ -11,10 +9,4 @@ _LAZY = {
     "Row": "hpcrl.data.rows",
     "load_rows": "hpcrl.data.rows",
 }
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcrl.data' has no attribute {name!r}")
+lazy_namespace(__name__, _LAZY)

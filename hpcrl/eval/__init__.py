@@ -1,8 +1,6 @@
 """Evaluation of a policy: greedy accuracy on held-out rows."""
 
-
-from importlib import import_module
-from typing import Any
+from hpcrl._lazy import lazy_namespace
 
 # name -> defining module, imported on first use: importing a package's config (as the root
 # config does) must not pull in torch
@@ -10,10 +8,4 @@ _LAZY = {
     "EvalResult": "hpcrl.eval.accuracy",
     "greedy_accuracy": "hpcrl.eval.accuracy",
 }
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcrl.eval' has no attribute {name!r}")
+lazy_namespace(__name__, _LAZY)

@@ -63,6 +63,12 @@ class LaunchConfig:
     trainer: ResourcesConfig = field(default_factory=ResourcesConfig)  # the trainer job's resources (slurm/srun)
     rollout: ResourcesConfig = field(default_factory=ResourcesConfig)  # each rollout job's resources (slurm/srun)
     slurm_state_interval_s: float = 2.0  # seconds between sacct/squeue reads of the jobs' states
+    # a component whose supervisor has not been seen for this long stops cleanly (checkpoint, exit 75), so a
+    # dead login-node supervisor does not leave jobs burning an allocation; 0 = never
+    orphan_grace_s: float = 600.0
+    # --resume / a new owner: how long the previous owner's components get to stop by themselves (they see
+    # the new owner epoch at their next check) before they are killed
+    takeover_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.progress_interval_s <= 0:
@@ -73,5 +79,9 @@ class LaunchConfig:
             raise ValueError(f"preempt_grace_s: must be > 0, got {self.preempt_grace_s}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be > 0, got {self.heartbeat_interval_s}")
+        if self.orphan_grace_s < 0:
+            raise ValueError(f"orphan_grace_s: must be >= 0 (0 = never), got {self.orphan_grace_s}")
+        if self.takeover_timeout_s <= 0:
+            raise ValueError(f"takeover_timeout_s: must be > 0, got {self.takeover_timeout_s}")
         if self.slurm_state_interval_s <= 0:
             raise ValueError(f"slurm_state_interval_s: must be > 0, got {self.slurm_state_interval_s}")

@@ -14,6 +14,17 @@ hangs is cancelled and resubmitted by the watchdog
 (:mod:`hpcrl.watchdog.policy`); when its budget is spent the others are
 stopped and :class:`ComponentFailed` carries the failing log's tail.
 
+Ownership (DESIGN 4.7, :mod:`hpcrl.runtime.owner`): before anything else
+the supervisor claims the run with a new owner epoch. It then stops what a
+previous owner left running (:mod:`hpcrl.launch.takeover`: the processes and
+jobs in ``jobs/registry.json``; each sees the new epoch and exits by itself,
+or is killed after ``launch.takeover_timeout_s``), removes their temporary
+files, and only then starts its own components, each with its epoch and a
+fresh instance id (``HPCRL_EPOCH``, ``HPCRL_INSTANCE``). While it watches
+it touches its epoch file (components stop cleanly when it stays silent for
+``launch.orphan_grace_s``); when a newer owner appears it stops its own jobs
+and raises :class:`RunTakenOver`.
+
 Walltime and preemption of the supervisor's own job: on SIGUSR2 or SIGTERM
 (``sbatch --signal=B:USR2@N``, ``scancel``, a preempting scheduler) the
 supervisor forwards SIGUSR2 to every component, gives them
@@ -28,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -40,7 +52,9 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.finalize import finalize
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
+from hpcrl.launch.takeover import clean_temporaries, take_over
 from hpcrl.metrics.writer import read_metrics
+from hpcrl.runtime.owner import ENV_EPOCH, ENV_INSTANCE, Fence, Owner, claim
 from hpcrl.spool.store import Spool
 from hpcrl.watchdog.policy import Decision, Watchdog
 
@@ -124,6 +138,10 @@ def _fmt(v, spec: str = "{:.3f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+class RunTakenOver(RuntimeError):
+    """A newer owner (another ``--resume``) claimed the run: this supervisor stopped its components."""
+
+
 class RunPreempted(RuntimeError):
     """The supervisor was signalled (walltime, preemption, scancel): every component was asked to
     checkpoint and stop; the run continues with ``python -m hpcrl.submit --resume``."""
@@ -138,30 +156,45 @@ def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None,
     # signal handlers can only be set from the main thread (tests may supervise from another one)
     own = preempt is None and threading.current_thread() is threading.main_thread()
     preempt = PreemptionFlag() if own else preempt
+    owner = claim(run_dir, scheduler=cfg.launch.scheduler)
+    log.info("owner epoch %d claimed (%s)", owner.epoch, owner.path)
     try:
+        if take_over(cfg, run_dir, owner.epoch):
+            clean_temporaries(run_dir)  # nothing of the previous owner runs any more
         if preempt is not None and preempt.requested:
             raise RunPreempted(f"stopped on {signal.Signals(preempt.signum).name} before the components started")
-        _submit_all(cfg, run_dir, scheduler, jobs)
-        _watch(cfg, run_dir, scheduler, jobs, preempt)
+        _submit_all(cfg, run_dir, scheduler, jobs, owner)
+        _watch(cfg, run_dir, scheduler, jobs, owner, preempt)
     finally:
         for job_id, _ in jobs.values():
             scheduler.cancel(job_id, signal.SIGKILL)
+        owner.release()
         if own:
             preempt.close()
 
 
-def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict) -> None:
+def _stamp(spec: ComponentSpec, owner: Owner) -> ComponentSpec:
+    """Give a spec its owner epoch and a fresh instance id (the writer id and heartbeat of the process)."""
+    owner.submissions += 1
+    spec.env[ENV_EPOCH] = str(owner.epoch)
+    spec.env[ENV_INSTANCE] = f"e{owner.epoch}n{owner.submissions}"
+    return spec
+
+
+def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owner: Owner) -> None:
     (run_dir / "jobs").mkdir(exist_ok=True)
     for spec in component_specs(cfg, run_dir):
-        jobs[spec.name] = (scheduler.submit(spec), spec)
+        jobs[spec.name] = (scheduler.submit(_stamp(spec, owner)), spec)
         log.info("started %s (%s %s), log %s", spec.name, "pid" if cfg.launch.scheduler == "local" else "job",
                  jobs[spec.name][0], spec.log_path)
         _write_registry(cfg, run_dir, jobs)
 
 
 def _write_registry(cfg: RunConfig, run_dir: Path, jobs: dict) -> None:
+    host = socket.gethostname()
     atomic.write_json(run_dir / "jobs" / "registry.json",
-                      {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks}
+                      {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks,
+                           "host": host, "epoch": int(s.env[ENV_EPOCH]), "instance": s.env[ENV_INSTANCE]}
                        for n, (j, s) in jobs.items()})
 
 
@@ -169,18 +202,32 @@ def _is_trainer(name: str) -> bool:
     return name.startswith(("trainer", "colocated"))
 
 
-def _heartbeat_name(name: str) -> str:
-    return "trainer-r0" if name == "trainer" else name  # a Slurm trainer job: rank 0 speaks for it
+def _heartbeat_name(name: str, spec: ComponentSpec) -> str:
+    """The heartbeat of this job instance (a Slurm trainer job: rank 0 speaks for it)."""
+    return f"{'trainer-r0' if name == 'trainer' else name}@{spec.env[ENV_INSTANCE]}"
 
 
-def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
+def _writer(name: str, spec: ComponentSpec) -> str:
+    """The writer id a rollout job instance uses (``hpcrl.rollout.main``)."""
+    return f"r{name.removeprefix('rollout-')}-{spec.env[ENV_INSTANCE]}"
+
+
+def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owner: Owner,
            preempt: PreemptionFlag | None = None) -> None:
     """Supervise until the trainer is done; the watchdog resubmits what dies or hangs."""
     progress = Progress(run_dir / "logs" / "metrics.jsonl", cfg.trainer.total_steps, cfg.launch.progress_interval_s)
     watchdog, events = Watchdog(cfg.watchdog), run_dir / "jobs" / "events.jsonl"
     for name in jobs:
         watchdog.started(name)
+    cleaned = time.time()
     while True:
+        if owner.superseded():
+            raise RunTakenOver(f"owner epoch {owner.epoch + 1} claimed this run: stopping this supervisor's "
+                               "components and leaving the run to it")
+        owner.beat(cfg.launch.heartbeat_interval_s)
+        if time.time() - cleaned > 600:  # temporaries of writers that died since (a live write takes seconds)
+            Spool(run_dir / "spool").clean_tmp(older_than_s=3600)
+            cleaned = time.time()
         progress.maybe_print()
         if preempt is not None and preempt.requested:
             _stop_for_preemption(cfg, scheduler, jobs, events, signal.Signals(preempt.signum).name)
@@ -193,18 +240,19 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
             if code == 0 and (not _is_trainer(name) or None in trainer_codes):
                 continue  # a rank that finished first, or a rollout that saw DONE
             code = 1 if code == 0 else code  # every trainer rank exited 0 but nobody wrote DONE
-            decision = watchdog.assess(name, code, beats.get(_heartbeat_name(name), {}).get("time"))
+            beat = beats.get(_heartbeat_name(name, jobs[name][1]), {})
+            decision = watchdog.assess(name, code, beat.get("time"))
             if decision.action != "ok":
-                _act(cfg, run_dir, scheduler, jobs, watchdog, name, code, decision, beats, events)
+                _act(cfg, run_dir, scheduler, jobs, watchdog, name, code, decision, owner, events)
                 break  # job set changed: poll again
         time.sleep(0.5)
     progress.maybe_print(force=True)
     _stop_rollouts(scheduler, jobs, cfg.launch.shutdown_timeout_s)
-    finalize(run_dir)
+    finalize(run_dir, Fence(run_dir, owner.epoch))
 
 
 def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchdog: Watchdog, name: str,
-         code: int | None, decision: Decision, beats: dict, events: Path) -> None:
+         code: int | None, decision: Decision, owner: Owner, events: Path) -> None:
     """Log the decision, then fail the run or cancel and resubmit the component (the whole trainer group)."""
     job_id, spec = jobs[name]
     _event(events, name, job_id, decision)
@@ -216,21 +264,21 @@ def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchd
     for n in group:
         scheduler.cancel(jobs[n][0], signal.SIGKILL)
     if name.startswith("rollout"):
-        _reclaim(run_dir, cfg, beats.get(name, {}).get("writer"))
+        _reclaim(run_dir, cfg, _writer(name, spec), owner)
     time.sleep(decision.delay_s)
     fresh = {s.name: s for s in component_specs(cfg, run_dir)}  # a trainer group gets a new rendezvous port
     for n in group:
-        jobs[n] = (scheduler.submit(fresh[n]), fresh[n])
+        if owner.superseded():  # never start a component for a replaced owner
+            raise RunTakenOver(f"owner epoch {owner.epoch + 1} claimed this run while {n} was restarting")
+        jobs[n] = (scheduler.submit(_stamp(fresh[n], owner)), fresh[n])
         watchdog.started(n)
         log.info("watchdog: resubmitted %s as %s", n, jobs[n][0])
     _write_registry(cfg, run_dir, jobs)
 
 
-def _reclaim(run_dir: Path, cfg: RunConfig, writer: str | None) -> None:
-    """Reissue the tickets a dead rollout incarnation held, so no prompt group is lost."""
-    if not writer:
-        return
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, num_rows=1)
+def _reclaim(run_dir: Path, cfg: RunConfig, writer: str, owner: Owner) -> None:
+    """Reissue the tickets a dead rollout job instance held, so no prompt group is lost."""
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, num_rows=1, fence=Fence(run_dir, owner.epoch))
     lost = ledger.reclaim(writer, Spool(run_dir / "spool").live_tickets())
     if lost:
         log.warning("watchdog: reissued %d tickets held by dead rollout %s", len(lost), writer)

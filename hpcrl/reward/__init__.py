@@ -6,9 +6,7 @@ Only the standard library is imported here, so a spawned reward worker stays
 light.
 """
 
-
-from importlib import import_module
-from typing import Any
+from hpcrl._lazy import lazy_namespace
 
 # name -> defining module, imported on first use: importing a package's config (as the root
 # config does) must not pull in torch
@@ -22,10 +20,4 @@ _LAZY = {
     "RewardRunner": "hpcrl.reward.runner",
     "load_function": "hpcrl.reward.runner",
 }
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcrl.reward' has no attribute {name!r}")
+lazy_namespace(__name__, _LAZY)

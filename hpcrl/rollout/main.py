@@ -9,6 +9,15 @@ the trainer writes ``DONE`` -> stop the engine (and its server) -> exit 0. A
 server that dies or stops answering fails this process; the watchdog
 resubmits it like any other crash. Any number of replicas may run at the
 same time or join later: admission is global in the run directory.
+
+Identity and ownership: the writer id and heartbeat belong to this job
+instance (``r<K>-<instance>``, ``heartbeats/rollout-<K>@<instance>.json``),
+never to the replica slot, so a replacement never inherits the tickets or
+the heartbeat of the process it replaces. The process is fenced to its owner
+epoch (:mod:`hpcrl.runtime.owner`): every ledger record and spool publish
+checks it, and once a newer owner exists the process exits with code 3
+without publishing what it holds. When its supervisor is gone it stops as on
+a preemption signal (publish what is finished, hand the rest back, exit 75).
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +36,7 @@ from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepare import Prepared, load_datasets, load_prepared
@@ -43,12 +52,13 @@ log = logging.getLogger(__name__)
 
 
 def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *, model=None, writer: str = "",
-                 weights: WeightTransport | None = None, on_wait: Callable[[], None] | None = None) -> RolloutWorker:
+                 weights: WeightTransport | None = None, on_wait: Callable[[], None] | None = None,
+                 fence: Fence | NoFence | None = None) -> RolloutWorker:
     """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
     tokenizer = load_tokenizer(prep.init_model)
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
-    spool, reward = Spool(run_dir / "spool"), RewardRunner(cfg.reward)
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
+    spool, reward = Spool(run_dir / "spool", fence=fence), RewardRunner(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
                       name=f"rollout-{writer or replica}", gpus=_visible_gpus(cfg.launch.rollout.gpus_per_node),
                       on_wait=on_wait)
@@ -73,14 +83,21 @@ def _visible_gpus(requested: int) -> int:
 
 
 def run(run_dir: Path, replica: int) -> None:
+    with exit_when_fenced():
+        _run(run_dir, replica)
+
+
+def _run(run_dir: Path, replica: int) -> None:
     preempt = PreemptionFlag()  # first: a walltime signal during start-up must not kill the process
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
     setup_logging(f"rollout {replica}")
+    fence = Fence.from_env(run_dir, cfg.launch.orphan_grace_s)
+    fence.check("start")
     torch.set_num_threads(cfg.rollout.threads)
     weights = open_transport(run_dir / "weights", cfg.weights, "member")
-    writer = f"r{replica}-{secrets.token_hex(3)}"  # one id per incarnation: a restart never inherits tickets
-    heartbeat = Heartbeat(run_dir, f"rollout-{replica}", cfg.launch.heartbeat_interval_s)
-    worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer,
+    writer = f"r{replica}-{fence.instance}"  # one id per job instance: a restart never inherits tickets
+    heartbeat = Heartbeat(run_dir, f"rollout-{replica}@{fence.instance}", cfg.launch.heartbeat_interval_s)
+    worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer, fence=fence,
                           on_wait=lambda: heartbeat.beat(writer=writer, starting=True))
     if hasattr(worker.engine, "on_wait"):  # a server engine: a long weight update keeps the heartbeat fresh
         worker.engine.on_wait = lambda: heartbeat.beat(writer=writer, updating=True)
@@ -90,7 +107,8 @@ def run(run_dir: Path, replica: int) -> None:
         s = worker.stats
         heartbeat.beat(writer=writer, version=worker.engine.version, groups=s.groups_published,
                        samples=s.samples_generated, tokens=s.tokens_generated, restarted=s.samples_restarted)
-        return done.exists() or preempt.requested
+        fence.check("generation")
+        return done.exists() or preempt.requested or fence.orphaned()
 
     log.info("rollout %d started (writer %s, %d train rows)", replica, writer, len(worker.rows))
     try:
@@ -101,8 +119,9 @@ def run(run_dir: Path, replica: int) -> None:
                 raise
             log.warning("inference server stopped during preemption (Slurm signals the whole job)")
         worker.flush()  # every finished group reaches the spool before the process goes
-        if preempt.requested:
-            log.warning("stopping on signal: %d unfinished groups handed back", worker.release_unfinished())
+        if preempt.requested or fence.orphaned():
+            why = "signal" if preempt.requested else "the supervisor is gone"
+            log.warning("stopping (%s): %d unfinished groups handed back", why, worker.release_unfinished())
             raise SystemExit(EXIT_REQUEUE)
     finally:
         try:

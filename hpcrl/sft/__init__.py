@@ -1,8 +1,6 @@
 """Supervised warm start of the policy before RL."""
 
-
-from importlib import import_module
-from typing import Any
+from hpcrl._lazy import lazy_namespace
 
 # name -> defining module, imported on first use: importing a package's config (as the root
 # config does) must not pull in torch
@@ -11,10 +9,4 @@ _LAZY = {
     "SFTResult": "hpcrl.sft.warm_start",
     "warm_start": "hpcrl.sft.warm_start",
 }
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcrl.sft' has no attribute {name!r}")
+lazy_namespace(__name__, _LAZY)

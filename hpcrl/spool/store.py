@@ -28,6 +28,13 @@ quarantine/ a ticket regenerated and set aside again under the same name goes
 to ``again-<k>/`` beside the first. Each destination directory has a single owner (rollouts
 own ``ready/`` names by ticket and writer id, the trainer owns the rest), which
 is what makes the check-then-rename free of races. No ``flock`` anywhere.
+
+Fencing: every move and every publish first checks the ownership fence
+(:class:`hpcrl.runtime.owner.Fence`; a publish checks it after the data is
+written and before the rename that makes it visible), so a component of a
+replaced owner changes nothing here. Retention: :meth:`Spool.clean_tmp`
+removes temporaries of dead writers; :meth:`Spool.prune_set_aside` deletes
+the data of old dropped files and keeps their reason records.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, write_json
+from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.spool.format import (
     SpoolFormatError,
     TrajectoryGroup,
@@ -83,8 +91,9 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
 class Spool:
     """<root>/ready, claimed, trained/step_XXXXXX, dropped, quarantine, tmp."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, fence: Fence | NoFence | None = None) -> None:
         self.root = Path(root)
+        self.fence = fence or NoFence()
         self.tmp_dir = self.root / "tmp"
         self.ready_dir = self.root / "ready"
         self.claimed_dir = self.root / "claimed"
@@ -112,6 +121,7 @@ class Spool:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            self.fence.check("spool publish")
             _rename_noreplace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -121,17 +131,34 @@ class Spool:
         return final
 
     def clean_tmp(self, older_than_s: float = 3600.0) -> int:
-        """Remove temporary files left by crashed writers; returns how many."""
+        """Remove temporary files left by crashed writers (spool/tmp/ and the reason temporaries in
+        dropped/ and quarantine/) older than ``older_than_s`` (0: all; only when no writer runs);
+        returns how many."""
         now = time.time()
         removed = 0
-        for p in self.tmp_dir.iterdir():
+        candidates = list(self.tmp_dir.iterdir())
+        for d in (self.dropped_dir, self.quarantine_dir):
+            candidates += [p for p in d.rglob(f"*{TMP_MARK}*") if p.is_file()]
+        for p in candidates:
             try:
-                if now - p.stat().st_mtime > older_than_s:
+                if now - p.stat().st_mtime >= older_than_s:
                     p.unlink()
                     removed += 1
             except FileNotFoundError:
                 continue
         return removed
+
+    def prune_set_aside(self, keep: int) -> int:
+        """Delete the data of all but the newest ``keep`` files in dropped/ (their reason records stay:
+        ticket, writer, why); returns how many were deleted."""
+        self.fence.check("spool pruning")
+        files = [p for p in self.dropped_dir.rglob("*.h5") if parse_name(p.name) is not None]
+        if len(files) <= keep:
+            return 0
+        files.sort(key=lambda p: p.stat().st_mtime)
+        for p in files[: len(files) - keep]:
+            p.unlink(missing_ok=True)
+        return len(files) - keep
 
     # -- listing ------------------------------------------------------------
     @staticmethod
@@ -198,6 +225,7 @@ class Spool:
     # -- trainer side -------------------------------------------------------
     def claim(self, entries: list[SpoolEntry]) -> list[SpoolEntry]:
         """Rename ``entries`` into claimed/; skip those that vanished. Returns the claimed."""
+        self.fence.check("spool claim")
         taken = []
         for e in entries:
             dst = self.claimed_dir / e.name
@@ -234,6 +262,7 @@ class Spool:
 
     def mark_trained(self, entries: list[SpoolEntry], step: int) -> None:
         """Move ``entries`` into trained/step_{step:06d}/ (idempotent for already moved files)."""
+        self.fence.check("spool commit")
         d = self.trained_dir / f"step_{step:06d}"
         d.mkdir(exist_ok=True)
         for e in entries:
@@ -263,6 +292,7 @@ class Spool:
     def _set_aside(self, entry: SpoolEntry, directory: Path, reason: str) -> None:
         """Move ``entry`` aside with its reason. A second file of the same name (a ticket regenerated
         and set aside again, e.g. across trainer restarts) goes to ``again-<k>/``: nothing is overwritten."""
+        self.fence.check(f"spool move to {directory.name}/")
         dst, k = directory / entry.name, 0
         while dst.exists():
             k += 1
@@ -276,6 +306,7 @@ class Spool:
 
     def release(self, entries: list[SpoolEntry]) -> int:
         """Move the given claimed ``entries`` back to ready/; returns the count moved."""
+        self.fence.check("spool release")
         for e in entries:
             _rename_noreplace(e.path, self.ready_dir / e.name)
         if entries:

@@ -22,6 +22,9 @@ class TrainerConfig:
     threads: int = 1  # torch threads per trainer rank
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
     batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
+    # retention, applied after every checkpoint: the data of the newest this many set-aside (stale, lost,
+    # uniform) spool files is kept for inspection, older ones keep only their reason record
+    keep_dropped_files: int = 512
 
     def __post_init__(self) -> None:
         for name in ("world_size", "total_steps", "n_minibatches", "threads"):
@@ -35,5 +38,7 @@ class TrainerConfig:
             raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.micro_batch_tokens < 16:
             raise ValueError(f"micro_batch_tokens: must be >= 16, got {self.micro_batch_tokens}")
+        if self.keep_dropped_files < 0:
+            raise ValueError(f"keep_dropped_files: must be >= 0, got {self.keep_dropped_files}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")

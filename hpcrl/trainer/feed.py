@@ -16,9 +16,19 @@ Ordering rules (rank 0 only):
   until B kept groups are in hand.
 * A ready file with tokens newer than the trainer's version came from a
   policy lost when the trainer restarted from a checkpoint: it is set aside
-  and its ticket reissued (see :mod:`hpcrl.ckpt.reconcile`).
+  and its ticket reissued (see :mod:`hpcrl.trainer.reconcile`).
 * After the step, :meth:`BatchFeed.commit` moves the claimed files into
   ``trained/step_<v>/`` where ``v`` is the version that trained them.
+* Only admitted work is trained (DESIGN 4.8): every claimed file is checked
+  against the ledger before it joins the batch (:meth:`BatchFeed.verdict`:
+  its ticket was admitted, the dataset position in the file is the ticket's,
+  the ticket is neither trained nor dropped nor already in this batch).
+  Anything else is quarantined with the reason. A file changes the ledger
+  (a drop record, a reissue) only when its writer is the ticket's current
+  holder and the ticket has no outcome yet (:meth:`BatchFeed.owns_outcome`),
+  so a foreign or duplicate file can never mark a real ticket dropped or
+  regenerate a made-up one. Stale and lost-policy files are opened and
+  checked the same way before their ticket is reissued.
 
 Loading is not overlapped with training on purpose: B files take ~5-7 ms
 to claim, read and commit (``scripts/bench_spool.py``), 1-2 % of a step,
@@ -36,11 +46,14 @@ import time
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.ckpt.reconcile import reissue_lost
 from hpcrl.spool.format import TrajectoryGroup
 from hpcrl.spool.store import Spool, SpoolEntry
 
 log = logging.getLogger(__name__)
+
+
+def lost_policy_reason(entry: SpoolEntry, version: int) -> str:
+    return f"lost policy: tokens up to version {entry.max_version} > trainer version {version}; ticket reissued"
 
 
 class BatchTimeout(RuntimeError):
@@ -57,19 +70,88 @@ class BatchFeed:
         self._pending: list[SpoolEntry] = []
         self.keep = keep  # dynamic sampling: groups it rejects are dropped as "uniform"
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
+        self._trained: set[int] | None = None  # tickets in trained/, read on first use (after reconcile)
+        self._batch: set[int] = set()  # tickets of the batch being assembled
+
+    @property
+    def trained(self) -> set[int]:
+        if self._trained is None:
+            self._trained = {e.ticket for entries in self.spool.trained().values() for e in entries}
+        return self._trained
+
+    def verdict(self, entry: SpoolEntry, group: TrajectoryGroup | None = None) -> str | None:
+        """Why this file must not be trained (None: it may be). With ``group``, its content is checked too."""
+        n = entry.ticket
+        if not self.ledger.admitted(n):
+            return f"ticket {n} was never admitted"
+        if n in self.trained or n in self._batch:
+            return f"ticket {n} is trained already (a duplicate)"
+        if self.ledger.is_dropped(n):
+            return f"ticket {n} is recorded as dropped"
+        if group is not None:
+            want = self.ledger.ticket(n)
+            got = (group.meta.get("epoch"), group.meta.get("row"))
+            if got != (want.epoch, want.row):
+                return (f"dataset position (epoch, row)={got} is not ticket {n}'s "
+                        f"({want.epoch}, {want.row})")
+        return None
+
+    def owns_outcome(self, entry: SpoolEntry) -> bool:
+        """Whether this file may change its ticket's ledger state: admitted, no outcome yet, not waiting
+        for a reissue, and written by the ticket's current holder."""
+        n = entry.ticket
+        return (self.verdict(entry) is None and not self.ledger.reissue_pending(n)
+                and self.ledger.holder(n) == entry.writer)
+
+    def quarantine(self, entry: SpoolEntry, reason: str) -> None:
+        """Set a file aside as invalid; its ticket is recorded dropped only if the file owned its outcome."""
+        owned = self.owns_outcome(entry)
+        if entry.path.exists():
+            self.spool.quarantine(entry, reason)
+        log.warning("quarantined %s: %s%s", entry.name, reason, "; ticket dropped" if owned else "")
+        if owned:
+            self.ledger.record_drop(entry.ticket, f"quarantined: {reason}")
+        self.dropped["quarantined"] += 1
+
+    def regenerate(self, entry: SpoolEntry, kind: str, reason: str) -> None:
+        """Set aside a valid file that can no longer be trained (stale, lost policy) and reissue its
+        ticket, after the same checks as a trainable file; a file that fails them is quarantined."""
+        group = self.spool.load(entry)  # a corrupt file is quarantined here
+        if group is None:
+            if self.owns_outcome(entry):
+                self.ledger.record_drop(entry.ticket, "quarantined: unreadable")
+            self.dropped["quarantined"] += 1
+            return
+        why = self.verdict(entry, group)
+        if why is None and not self.owns_outcome(entry):
+            why = f"written by {entry.writer}, not by the current holder of ticket {entry.ticket}"
+        if why is not None:
+            self.quarantine(entry, f"{kind} file not regenerated: {why}")
+            return
+        self.spool.drop(entry, reason)
+        self.ledger.reissue(entry.ticket, reason)
+        self.dropped[kind] = self.dropped.get(kind, 0) + 1
+        log.warning("set aside ticket %d (%s)", entry.ticket, reason)
 
     def next_batch(self, version: int, wait: Callable[[], None] | None = None) -> list[TrajectoryGroup]:
         """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep)."""
         groups: list[TrajectoryGroup] = []
         entries: list[SpoolEntry] = []
         deadline = time.monotonic() + self.timeout_s
+        self._batch = set()
         while len(groups) < self.batch_size:
             fresh = self._eligible(version)[: self.batch_size - len(groups)]
             for entry in self.spool.claim(fresh):
+                owned = self.owns_outcome(entry)  # before load: a corrupt file is quarantined there
                 group = self.spool.load(entry)
                 if group is None:
-                    self.ledger.record_drop(entry.ticket, "quarantined")
+                    if owned:
+                        self.ledger.record_drop(entry.ticket, "quarantined")
                     self.dropped["quarantined"] += 1
+                    continue
+                why = self.verdict(entry, group)
+                if why is not None:
+                    self.quarantine(entry, why)
                     continue
                 if self.keep is not None and not self.keep(group):
                     self.spool.drop(entry, "uniform")
@@ -78,6 +160,7 @@ class BatchFeed:
                     continue
                 groups.append(group)
                 entries.append(entry)
+                self._batch.add(entry.ticket)
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
                     raise BatchTimeout(f"only {len(groups)} of {self.batch_size} groups arrived for version "
@@ -90,18 +173,21 @@ class BatchFeed:
         out = []
         for entry in self.spool.ready():
             if entry.max_version > version:  # from a policy lost in a trainer restart: generate it again
-                reissue_lost(self.spool, self.ledger, entry, version)
-                self.dropped["lost_policy"] = self.dropped.get("lost_policy", 0) + 1
+                self.regenerate(entry, "lost_policy", lost_policy_reason(entry, version))
             elif entry.min_version < version - self.max_staleness:
-                reason = f"stale: head version {entry.min_version} < {version} - {self.max_staleness}; regenerated"
-                self.spool.drop(entry, reason)
-                self.ledger.reissue(entry.ticket, reason)
-                self.dropped["stale"] += 1
-                log.warning("set aside ticket %d (%s)", entry.ticket, reason)
+                self.regenerate(entry, "stale", f"stale: head version {entry.min_version} < {version} - "
+                                                f"{self.max_staleness}; regenerated")
             else:
                 out.append(entry)
         return out
 
+    def retain(self, keep_dropped_files: int) -> dict[str, int]:
+        """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues."""
+        finished = self.trained | set(self.ledger.dropped())
+        return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
+                "reissues_compacted": self.ledger.compact_reissues(finished)}
+
     def commit(self, version: int) -> None:
         self.spool.mark_trained(self._pending, version)
-        self._pending = []
+        self.trained.update(e.ticket for e in self._pending)
+        self._pending, self._batch = [], set()

@@ -16,6 +16,14 @@ The whole schedule (one iteration = one policy version)::
 
 Colocated mode runs this same loop in the rollout's process, with ``wait``
 pumping the rollout worker and ``publish`` handing weights to its engine.
+
+Ownership (:mod:`hpcrl.runtime.owner`): the process is fenced to the owner
+epoch its supervisor started it with. Before each publish and commit rank 0
+checks the fence; once a newer owner exists nothing more is published,
+committed or checkpointed, every rank agrees on it at the step boundary and
+the process exits with code 3. When its supervisor is gone (released the
+run, or silent for ``launch.orphan_grace_s``) the trainer stops as on a
+preemption signal: checkpoint, exit 75.
 """
 
 from __future__ import annotations
@@ -31,12 +39,13 @@ import torch.distributed as dist
 
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.ckpt.reconcile import reconcile
+from hpcrl.trainer.reconcile import reconcile
 from hpcrl.ckpt.trainer_ckpt import Checkpointer
 from hpcrl.config import RunConfig, config_hash, load_saved
 from hpcrl.runtime.dist import DistContext, init_from_env
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
+from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
 from hpcrl.prepare import Prepared, load_datasets, load_prepared, scorer
 from hpcrl.model.hf_io import load_tokenizer
@@ -52,14 +61,15 @@ from hpcrl.weights.transport import DiskWeights, open_transport
 log = logging.getLogger(__name__)
 
 Publish = Callable[[Mapping[str, torch.Tensor], int], None]
-_PREEMPTED = "preempted"
+_PREEMPTED, _FENCED = "preempted", "fenced"
 
 
 def train_loop(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, feed: BatchFeed | None,
                reporter: Reporter | None, publish: Publish, wait: Callable[[], None] | None = None,
                heartbeat: Heartbeat | None = None, checkpointer: Checkpointer | None = None,
-               start_version: int = 0, preempt: PreemptionFlag | None = None) -> None:
-    total = cfg.trainer.total_steps
+               start_version: int = 0, preempt: PreemptionFlag | None = None,
+               fence: Fence | NoFence | None = None) -> None:
+    total, fence = cfg.trainer.total_steps, fence or NoFence()
     if reporter:
         reporter.start(start_version)
     for version in range(start_version, total):
@@ -76,11 +86,15 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, feed: Batch
         t2 = time.time()
         state = engine.full_state_dict()
         t_commit = 0.0
-        if ctx.is_main:
+        fenced = ctx.is_main and fence.superseded()  # a newer owner: publish and commit nothing
+        if ctx.is_main and not fenced:
             publish(state, version + 1)
             t_commit = time.time()
             feed.commit(version)
             t_commit = time.time() - t_commit
+        if agree(ctx, fenced):
+            fence.check(f"step {version + 1}")
+            raise Fenced(f"owner epoch {fence.epoch} was replaced before step {version + 1} was published")
         t3 = time.time()
         if reporter:
             extra = {"groups/uniform": n_uniform, "version": version + 1,
@@ -90,11 +104,14 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, feed: Batch
                                                        "step": time.time() - t0}, state, extra)
         if heartbeat:
             heartbeat.beat(version=version + 1)
-        stop = agree(ctx, preempt is not None and preempt.requested)
+        stop = agree(ctx, (preempt is not None and preempt.requested) or fence.orphaned())
         if checkpointer and (stop or checkpointer.due(version + 1, total)):
             checkpointer.save(engine, version + 1, counters(feed, reporter))
+            if ctx.is_main:
+                feed.retain(cfg.trainer.keep_dropped_files)
         if stop:
-            raise Preempted(f"signal {preempt.signum if preempt else '?'} after step {version + 1}")
+            why = f"signal {preempt.signum}" if preempt is not None and preempt.requested else "supervisor gone"
+            raise Preempted(f"{why} after step {version + 1}")
 
 
 def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
@@ -106,12 +123,18 @@ def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
             groups = feed.next_batch(version, wait)
         except Preempted:
             groups = _PREEMPTED
+        except Fenced:
+            if ctx.world_size == 1:
+                raise
+            groups = _FENCED
     if ctx.world_size > 1:
         box = [groups]
         dist.broadcast_object_list(box, src=0)
         groups = box[0]
     if isinstance(groups, str) and groups == _PREEMPTED:
         raise Preempted(f"signal while waiting for the batch of version {version}")
+    if isinstance(groups, str) and groups == _FENCED:
+        raise Fenced(f"a newer owner took the run over while version {version} waited for its batch")
     return groups
 
 
@@ -130,26 +153,31 @@ def counters(feed: BatchFeed | None, reporter: Reporter | None) -> dict:
 
 
 def resume(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, checkpointer: Checkpointer,
-           feed: BatchFeed | None, reporter: Reporter | None, weights: DiskWeights) -> int:
+           feed: BatchFeed | None, reporter: Reporter | None, weights: DiskWeights,
+           fence: Fence | NoFence | None = None) -> int:
     """Restore the newest valid checkpoint (if any) and reconcile the run directory; the start version."""
+    fence = fence or NoFence()
     meta = checkpointer.restore(engine)
     start = meta["step"] if meta else 0
     state = engine.full_state_dict()
+    if agree(ctx, fence.superseded()):  # a replaced owner's trainer must not reconcile
+        raise Fenced(f"owner epoch {fence.epoch} was replaced before this trainer resumed")
     if ctx.is_main:
         if meta:
             feed.dropped.update(meta.get("dropped", {}))
             reporter.samples_total = meta.get("samples_total", 0)
-        reconcile(start, feed.spool, feed.ledger, weights, state)
+        reconcile(start, feed, weights, state)
     if ctx.world_size > 1:
         dist.barrier()
     return start
 
 
-def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer) -> tuple[BatchFeed, Reporter, RewardRunner]:
+def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
+                fence: Fence | NoFence | None = None) -> tuple[BatchFeed, Reporter, RewardRunner]:
     """The pieces only rank 0 owns: the spool feed and the reporter."""
     train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed)
-    feed = BatchFeed(Spool(run_dir / "spool"), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
+    feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
                      cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
@@ -159,8 +187,15 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer) -> tup
 
 
 def run(run_dir: Path) -> None:
+    with exit_when_fenced():
+        _run(run_dir)
+
+
+def _run(run_dir: Path) -> None:
     preempt = PreemptionFlag()  # first: a walltime signal during start-up must not kill the process
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
+    fence = Fence.from_env(run_dir, cfg.launch.orphan_grace_s)
+    fence.check("start")
     ctx = init_from_env(cfg.trainer.backend)
     setup_logging(f"trainer r{ctx.rank}")
     torch.set_num_threads(cfg.trainer.threads)
@@ -169,21 +204,25 @@ def run(run_dir: Path) -> None:
     engine = FSDPEngine(prep.init_model, cfg.trainer, cfg.algo, ctx, tokenizer.pad_token_id)
     feed = reporter = runner = None
     if ctx.is_main:
-        feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer)
-    weights = (open_transport(run_dir / "weights", cfg.weights, "host") if ctx.is_main  # only rank 0 publishes
+        feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
+    weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence) if ctx.is_main  # only rank 0 publishes
                else DiskWeights(run_dir / "weights", cfg.weights))
-    heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}", cfg.launch.heartbeat_interval_s)
-    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg))
+    heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
 
     def wait() -> None:
         preempt.check()
+        fence.check("batch")
+        if fence.orphaned():
+            raise Preempted("the supervisor is gone")
         time.sleep(0.01)
 
     try:
-        start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights)
+        start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights, fence)
         train_loop(cfg, ctx, engine, feed, reporter, weights.publish, wait=wait, heartbeat=heartbeat,
-                   checkpointer=checkpointer, start_version=start, preempt=preempt)
+                   checkpointer=checkpointer, start_version=start, preempt=preempt, fence=fence)
         if ctx.is_main:
+            fence.check("DONE")
             atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
             log.info("done: %d steps", cfg.trainer.total_steps)
     except Preempted as e:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import atomic
+from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.version import WeightVersion, aliases
 
@@ -188,15 +189,17 @@ class CollectiveWeights(_Base):
     """Host side (trainer rank 0). Use :meth:`host` / :meth:`member` to build either role."""
 
     @staticmethod
-    def host(root: str | Path, cfg: WeightsConfig) -> "CollectiveWeights":
-        return CollectiveWeights(root, cfg)
+    def host(root: str | Path, cfg: WeightsConfig, fence: Fence | NoFence | None = None) -> "CollectiveWeights":
+        return CollectiveWeights(root, cfg, fence)
 
     @staticmethod
     def member(root: str | Path, cfg: WeightsConfig) -> "CollectiveMember":
         return CollectiveMember(root, cfg)
 
-    def __init__(self, root: str | Path, cfg: WeightsConfig) -> None:
+    def __init__(self, root: str | Path, cfg: WeightsConfig, fence: Fence | NoFence | None = None) -> None:
         super().__init__(root, cfg)
+        self.fence = fence or NoFence()
+        self.fence.check("weights rendezvous")  # a replaced owner's trainer must not redirect the rollouts
         self.root.mkdir(parents=True, exist_ok=True)
         host = cfg.collective_host or socket.gethostname()
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
@@ -216,6 +219,7 @@ class CollectiveWeights(_Base):
 
     # -- WeightTransport ------------------------------------------------------
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.fence.check(f"weight publish of version {version}")
         t0 = time.perf_counter()
         state = {name: t.detach() for name, t in state_dict.items()}
         if self._layout is None:

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
+from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.version import WEIGHTS_FILE, WeightVersion, storable_tensors, unique_tensors  # noqa: F401 (re-exported)
 
@@ -50,18 +51,21 @@ class WeightTransport(Protocol):
     def close(self) -> None: ...
 
 
-def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "member"]) -> WeightTransport:
-    """The transport ``weights.mode`` names: the trainer's rank 0 is the host, a rollout a member."""
+def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "member"],
+                   fence: Fence | NoFence | None = None) -> WeightTransport:
+    """The transport ``weights.mode`` names: the trainer's rank 0 is the host, a rollout a member.
+    ``fence``: the publisher's ownership fence, checked before a version becomes visible."""
     if cfg.mode == "disk":
-        return DiskWeights(root, cfg)
+        return DiskWeights(root, cfg, fence)
     from hpcrl.weights.collective import CollectiveWeights
-    return CollectiveWeights.host(root, cfg) if role == "host" else CollectiveWeights.member(root, cfg)
+    return CollectiveWeights.host(root, cfg, fence) if role == "host" else CollectiveWeights.member(root, cfg)
 
 
 class DiskWeights:
-    def __init__(self, root: str | Path, cfg: WeightsConfig) -> None:
+    def __init__(self, root: str | Path, cfg: WeightsConfig, fence: Fence | NoFence | None = None) -> None:
         self.root = Path(root)
         self.cfg = cfg
+        self.fence = fence or NoFence()
         self.root.mkdir(parents=True, exist_ok=True)
 
     def version_dir(self, version: int) -> Path:
@@ -73,6 +77,8 @@ class DiskWeights:
             shutil.rmtree(target)  # a crashed earlier attempt at the same version left it uncommitted by LATEST
         with atomic.directory(target) as tmp:
             save_file(storable_tensors(state_dict), str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
+            self.fence.check(f"weight publish of version {version}")  # raising here leaves no directory
+        self.fence.check(f"weight publish of version {version}")
         atomic.write_text(self.root / "LATEST", f"{version}\n")
         self._prune(version)
 

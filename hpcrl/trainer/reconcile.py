@@ -24,22 +24,16 @@ from collections.abc import Mapping
 
 import torch
 
-from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.spool.store import Spool, SpoolEntry
+from hpcrl.trainer.feed import BatchFeed, lost_policy_reason
 from hpcrl.weights.transport import DiskWeights
 
 log = logging.getLogger(__name__)
 
 
-def reissue_lost(spool: Spool, ledger: AdmissionLedger, entry: SpoolEntry, version: int) -> None:
-    reason = f"lost policy: tokens up to version {entry.max_version} > trainer version {version}; ticket reissued"
-    spool.drop(entry, reason)
-    ledger.reissue(entry.ticket, reason)
-
-
-def reconcile(version: int, spool: Spool, ledger: AdmissionLedger, weights: DiskWeights,
+def reconcile(version: int, feed: BatchFeed, weights: DiskWeights,
               state_dict: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Undo everything past ``version``; returns counts of what was done."""
+    spool = feed.spool
     stale_versions = [p for p in weights.root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) > version]
     for p in stale_versions:
         shutil.rmtree(p, ignore_errors=True)
@@ -50,8 +44,8 @@ def reconcile(version: int, spool: Spool, ledger: AdmissionLedger, weights: Disk
             released += spool.release(entries)
             shutil.rmtree(spool.trained_dir / f"step_{step:06d}", ignore_errors=True)
     lost = [e for e in spool.ready() if e.max_version > version]
-    for entry in lost:
-        reissue_lost(spool, ledger, entry, version)
+    for entry in lost:  # checked like any file before its ticket is reissued
+        feed.regenerate(entry, "lost_policy", lost_policy_reason(entry, version))
     counts = {"weights_removed": len(stale_versions), "released": released, "reissued": len(lost)}
     if any(counts.values()):
         log.info("resume at version %d: %s", version, counts)

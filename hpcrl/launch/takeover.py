@@ -1,0 +1,145 @@
+"""Taking a run over from its previous owner: stop what it left running, then clean up after it.
+
+Called by the supervisor right after it claimed a new owner epoch
+(:func:`hpcrl.runtime.owner.claim`), before it starts any component, so at
+no moment do two trainers, or two writers for one rollout replica, act for
+the run. Order:
+
+1. Read ``jobs/registry.json``, the previous owner's record of every job it
+   started (job id, scheduler, host, epoch, instance).
+2. Each of those processes and jobs sees the new epoch at its next fence
+   check and exits by itself without writing; the supervisor waits up to
+   ``launch.takeover_timeout_s`` for that, then kills what is left: a local
+   process group by pid (only on the host that started it, and only if its
+   command line still names this run, so a reused pid is never touched), a
+   Slurm job by ``scancel``. A process on another host that cannot be
+   signalled is reported; the fence stops it.
+3. When nothing of the previous owner runs any more, the temporaries its
+   writers left (spool ``tmp/``, reason-file temporaries, weight and
+   checkpoint directories under construction, heartbeats of earlier
+   instances) are removed (:func:`clean_temporaries`).
+
+Every step is logged: what ran, how it stopped, what could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from hpcrl.atomic import TMP_MARK
+from hpcrl.config import RunConfig
+from hpcrl.runtime.owner import owner_record
+from hpcrl.spool.store import Spool
+
+log = logging.getLogger(__name__)
+_SLURM_LIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
+               "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
+
+
+def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
+    """Stop every job of earlier owners; True when none is left that could still write."""
+    previous = _registry(run_dir)
+    if previous:
+        prev_epoch = max((rec.get("epoch", 0) for rec in previous.values()), default=0)
+        rec = owner_record(run_dir, prev_epoch) if prev_epoch else {}
+        log.info("taking over from owner epoch %s (supervisor pid %s on %s): %d jobs to check", prev_epoch or "?",
+                 rec.get("pid", "?"), rec.get("host", "?"), len(previous))
+    live = {name: rec for name, rec in previous.items() if rec.get("epoch", 0) < epoch and _alive(run_dir, rec)}
+    unreachable = [n for n, rec in live.items() if rec.get("reach") == "remote"]
+    for name in unreachable:
+        rec = live.pop(name)
+        log.warning("%s (pid %s on %s) cannot be signalled from %s; it is fenced and stops at its next check",
+                    name, rec["job_id"], rec.get("host"), socket.gethostname())
+    deadline = time.time() + cfg.launch.takeover_timeout_s
+    if live:
+        log.info("waiting up to %.0fs for %s of the previous owner to stop", cfg.launch.takeover_timeout_s,
+                 ", ".join(f"{n} ({r['job_id']})" for n, r in live.items()))
+    t0 = time.time()
+    while live and time.time() < deadline:
+        for name in [n for n, rec in live.items() if not _alive(run_dir, rec)]:
+            log.info("%s (%s) stopped by itself after %.1fs", name, live.pop(name)["job_id"], time.time() - t0)
+        time.sleep(0.1)
+    for name, rec in live.items():
+        log.warning("%s (%s) still running after %.0fs: killing it", name, rec["job_id"], time.time() - t0)
+        _kill(rec)
+    for name, rec in live.items():
+        end = time.time() + 30
+        while _alive(run_dir, rec) and time.time() < end:
+            time.sleep(0.1)
+        if _alive(run_dir, rec):
+            log.error("%s (%s) survived a kill; it is fenced and cannot change the run", name, rec["job_id"])
+            unreachable.append(name)
+    return not unreachable
+
+
+def clean_temporaries(run_dir: Path) -> dict[str, int]:
+    """Remove what writers that no longer run left half-done; only call it while no component runs."""
+    counts = {"spool": Spool(run_dir / "spool").clean_tmp(older_than_s=0), "weights": 0, "ckpt": 0,
+              "heartbeats": 0}
+    for sub, pattern in (("weights", f"v*{TMP_MARK}*"), ("ckpt", "step_*.tmp*")):
+        for p in (run_dir / sub).glob(pattern):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            counts[sub] += 1
+    for p in (run_dir / "heartbeats").glob("*"):  # instances of earlier owners (each has its own file)
+        p.unlink(missing_ok=True)
+        counts["heartbeats"] += 1
+    if any(counts.values()):
+        log.info("removed what the previous owner's writers left: %s", counts)
+    return counts
+
+
+def _registry(run_dir: Path) -> dict[str, dict]:
+    try:
+        return json.loads((run_dir / "jobs" / "registry.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _alive(run_dir: Path, rec: dict) -> bool:
+    """Whether the job may still run; marks ``rec["reach"]`` = "local" | "slurm" | "remote"."""
+    if rec.get("scheduler") == "slurm":
+        rec["reach"] = "slurm"
+        return _slurm_state(str(rec["job_id"])) in _SLURM_LIVE
+    pid = int(rec["job_id"])
+    if rec.get("host", socket.gethostname()) != socket.gethostname():
+        rec["reach"] = "remote"
+        return True
+    rec["reach"] = "local"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z" and str(run_dir) in cmdline  # a reused pid runs something else
+
+
+def _kill(rec: dict) -> None:
+    if rec.get("reach") == "slurm":
+        job = str(rec["job_id"])
+        subprocess.run(["scontrol", "update", f"JobId={job}", "Requeue=0"], capture_output=True, timeout=60)
+        subprocess.run(["scancel", "--signal=KILL", "--full", job], capture_output=True, timeout=60)
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)
+        return
+    try:
+        os.killpg(int(rec["job_id"]), signal.SIGKILL)  # its own session: the whole process tree
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(int(rec["job_id"]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _slurm_state(job_id: str) -> str:
+    from hpcrl.launch.slurm import read_states  # submitit only where Slurm is used
+
+    return read_states([job_id]).get(job_id, ("UNKNOWN", ""))[0]
