@@ -87,3 +87,16 @@ def test_base_file_is_merged_under_the_preset(tmp_path) -> None:
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops"):
         load_config(tmp_path / "loop.yaml")
+
+
+def test_loading_a_config_imports_no_torch() -> None:
+    """The supervisor, audit and tools load configs; that must stay cheap (no torch, numpy, transformers)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from hpcrl.config import load_config; load_config('configs/quickstart.yaml', []); "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'h5py') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
