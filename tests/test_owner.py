@@ -25,7 +25,7 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.runtime.owner import EXIT_FENCED, Fence, Fenced, claim, current_epoch, exit_when_fenced
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
-from hpcrl.trainer.feed import BatchFeed
+from hpcrl.trainer.feed import BatchFeed, BatchTimeout
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.transport import DiskWeights
 
@@ -145,7 +145,7 @@ def test_only_admitted_work_is_trained(tmp_path) -> None:
     # a garbage file named at a stale version never gets its made-up ticket reissued
     (spool.ready_dir / "g000000033_v000000-000000_junk.h5").write_bytes(b"garbage")
     feed.commit(1)
-    with pytest.raises(Exception):
+    with pytest.raises(BatchTimeout):
         feed.next_batch(5)
     assert ledger.pending_reissues() == [] and ledger.dropped() == {}
 
@@ -158,7 +158,7 @@ def test_stale_file_is_reissued_only_by_its_holder(tmp_path) -> None:
     assert ledger.holder(t.index) == "r1-b"
     spool.publish(group(ledger, t.index, "r0-a"))  # the presumed-dead writer publishes late, now stale
     spool.publish(group(ledger, t.index, "r1-b"))  # ...and so does the holder
-    with pytest.raises(Exception):
+    with pytest.raises(BatchTimeout):
         feed.next_batch(3)
     assert ledger.pending_reissues() == [t.index]  # reissued once, by the holder's file
     assert {e.writer for e in spool.quarantined()} == {"r0-a"}
@@ -183,7 +183,7 @@ def test_retention_compacts_reissues_and_prunes_set_aside_data(tmp_path) -> None
     for v in range(4):
         t = ledger.try_admit(v, "r0-a")
         spool.publish(group(ledger, t.index, "r0-a", version=v))
-    with pytest.raises(Exception):  # at version 4 every file is stale: set aside and reissued
+    with pytest.raises(BatchTimeout):  # at version 4 every file is stale: set aside and reissued
         feed.next_batch(4)
     assert len(ledger.pending_reissues()) == 4 and len(spool.dropped()) == 4
     for _ in range(4):
