@@ -4,9 +4,15 @@
   (``<run_dir>/ckpt/step_N``, or a run dir / ckpt root for the newest) or of
   safetensors weights (``<run_dir>/weights/vN``).
 - ``verify PATH``: size and sha256 of every file of one checkpoint, or of all
-  under a ``ckpt/`` root; exit 1 if any is damaged.
-- ``to-hf CKPT OUT [--base-model DIR]``: a HuggingFace folder transformers loads.
-- ``prune ROOT --keep-last K [--keep-every M]``: apply a retention policy.
+  under a ``ckpt/`` root or a run directory; exit 1 if any is damaged.
+- ``to-hf CKPT OUT [--base-model DIR] [--force]``: a HuggingFace folder
+  transformers loads. A checkpoint ``verify`` rejects is refused (exit 1)
+  unless ``--force``, which converts it with a warning.
+- ``prune ROOT --keep-last K [--keep-every M] [--force]``: apply a retention
+  policy to a ``ckpt/`` root or a run directory. The newest checkpoint that
+  verifies is always kept, and ``--keep-last 0`` needs ``--force``.
+
+Exit codes: 0 done, 1 damaged or nothing to act on, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -63,8 +69,13 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def checkpoint_root(path: Path) -> Path:
+    """The ``ckpt/`` root of ``path``: itself, or ``<path>/ckpt`` for a run directory."""
+    return path / "ckpt" if not store.committed(path) and (path / "ckpt").is_dir() else path
+
+
 def cmd_verify(args) -> int:
-    dirs = [args.path] if dcp_tools.is_dcp(args.path) else [p for _, p in store.committed(args.path)]
+    dirs = [args.path] if dcp_tools.is_dcp(args.path) else [p for _, p in store.committed(checkpoint_root(args.path))]
     if not dirs:
         print(f"error: no committed checkpoint under {args.path}", file=sys.stderr)
         return 1
@@ -80,16 +91,33 @@ def cmd_verify(args) -> int:
 
 def cmd_to_hf(args) -> int:
     ckpt = dcp_tools.resolve(args.ckpt)
+    problems = store.verify(ckpt)
+    if problems:
+        detail = "\n  ".join(problems[:10])
+        if not args.force:
+            print(f"error: {ckpt} is DAMAGED; refusing to convert it (--force converts anyway):\n  {detail}",
+                  file=sys.stderr)
+            return 1
+        print(f"WARNING: converting the DAMAGED checkpoint {ckpt} because of --force; the weights may be "
+              f"wrong:\n  {detail}", file=sys.stderr)
     out = dcp_tools.to_hf(ckpt, args.base_model or dcp_tools.base_model_of(ckpt), args.out)
     print(f"wrote {out} from {ckpt}")
     return 0
 
 
 def cmd_prune(args) -> int:
-    removed = store.prune(args.root, args.keep_last, args.keep_every)
+    root = checkpoint_root(args.root)
+    if not store.committed(root):
+        print(f"error: no committed checkpoint under {args.root}", file=sys.stderr)
+        return 1
+    if args.keep_last < 1 and not args.force:
+        print("error: --keep-last must be at least 1 (--force with --keep-last 0 keeps only the newest valid "
+              "checkpoint and those --keep-every names)", file=sys.stderr)
+        return 2
+    removed = store.prune(root, args.keep_last, args.keep_every, full_check=True)
     for p in removed:
         print(f"removed {p}")
-    print(f"kept {[s for s, _ in store.committed(args.root)]}")
+    print(f"kept steps {[s for s, _ in store.committed(root)]} in {root}")
     return 0
 
 
@@ -105,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpt", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--base-model", type=Path, help="folder with config.json and tokenizer (default: the run's)")
+    p.add_argument("--force", action="store_true", help="convert even a checkpoint that verify rejects")
     p = sub.add_parser("prune", help="delete checkpoints beyond a retention policy")
     p.add_argument("root", type=Path)
     p.add_argument("--keep-last", type=int, required=True)
     p.add_argument("--keep-every", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="allow --keep-last 0")
     args = parser.parse_args(argv)
     for attr in ("path", "ckpt", "root"):
         if hasattr(args, attr) and not getattr(args, attr).exists():

@@ -191,13 +191,32 @@ def test_ckpt_tools_to_hf_verify_prune(tmp_path, assets, capsys) -> None:
     ids = torch.tensor([[5, 9, 12, 7, 3, 22]])
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, trained(ids).logits)
-    assert tools(["verify", str(run / "ckpt")]) == 0
+    assert tools(["verify", str(run / "ckpt")]) == 0 and tools(["verify", str(run)]) == 0  # a ckpt root or a run
+    capsys.readouterr()
+    assert [s for s, _ in store.committed(run / "ckpt")] == [3, 6]
+
+    def refused(damaged: Path) -> None:
+        assert tools(["verify", str(damaged)]) == 1
+        assert "DAMAGED" in capsys.readouterr().out
+        assert tools(["to-hf", str(damaged), str(tmp_path / "hf-damaged")]) == 1  # refused, nothing written
+        assert "refusing to convert" in capsys.readouterr().err and not (tmp_path / "hf-damaged").exists()
+
     shard = next(ckpt.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-3])
-    assert tools(["verify", str(ckpt)]) == 1
-    assert "DAMAGED" in capsys.readouterr().out
-    assert tools(["prune", str(run / "ckpt"), "--keep-last", "1"]) == 0
-    assert [s for s, _ in store.committed(run / "ckpt")] == [6]
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated
+    refused(ckpt)
+    assert tools(["prune", str(run), "--keep-last", "0"]) == 2  # would leave nothing to resume from
+    assert tools(["prune", str(run), "--keep-last", "1"]) == 0
+    assert [s for s, _ in store.committed(run / "ckpt")] == [3, 6]  # the newest, and the newest that verifies
+    older = store.committed(run / "ckpt")[0][1]
+    flipped = next(older.glob("*.distcp"))  # same size, 64 bytes changed: only the checksum tells
+    data = bytearray(flipped.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    flipped.write_bytes(bytes(data))
+    refused(older)
+    assert tools(["to-hf", str(older), str(tmp_path / "forced"), "--force"]) == 0
+    assert "WARNING: converting the DAMAGED" in capsys.readouterr().err and (tmp_path / "forced").exists()
+    assert tools(["prune", str(tmp_path / "forced"), "--keep-last", "1"]) == 1  # no checkpoint there
 
 
 def test_preemption_signal_checkpoints_and_resumes_identically(tmp_path, assets) -> None:

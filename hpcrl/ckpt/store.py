@@ -103,10 +103,15 @@ def commit(tmp: Path, final: Path) -> None:
     atomic.fsync_dir(final.parent)
 
 
-def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
-    """Delete committed checkpoints beyond the retention policy and stale temporaries; returns what went."""
+def prune(root: Path, keep_last: int, keep_every: int = 0, full_check: bool = False) -> list[Path]:
+    """Delete committed checkpoints beyond the retention policy and stale temporaries; returns what went.
+
+    The newest checkpoint that verifies is always kept, whatever the policy, so a run is never left with
+    only damaged checkpoints to resume from. The check compares sizes with the manifest
+    (``full_check``: checksums too, which reads every byte; the trainer's own pruning skips that)."""
     items = committed(root)
-    keep = {s for s, _ in items[-keep_last:]}
+    keep = {s for s, _ in items[-keep_last:]} if keep_last > 0 else set()
+    keep |= {next((s for s, p in reversed(items) if not verify(p, full=full_check)), -1)}
     if keep_every:
         keep |= {s for s, _ in items if s % keep_every == 0}
     removed = [p for s, p in items if s not in keep]
