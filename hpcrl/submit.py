@@ -77,6 +77,9 @@ def summarize(run_dir: Path, started: float) -> dict:
     steps = [r for r in records if "reward/mean" in r]
     summary = {
         "run_dir": str(run_dir), "wall_s": time.time() - started, "steps": steps[-1]["step"] if steps else 0,
+        "run_wall_s": steps[-1].get("time/elapsed_s") if steps else None,
+        "train_s": steps[-1].get("time/train_s") if steps else None,
+        "legs": steps[-1].get("leg", 1) if steps else 0,
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
         "samples_per_s": steps[-1].get("throughput/samples_per_s") if steps else None,
@@ -92,8 +95,11 @@ def report(summary: dict) -> None:
     def pct(v):
         return "-" if v is None else f"{100 * v:.1f}%"
 
-    log.info("run finished in %.0fs: %d steps, %.1f samples/s, max staleness %s", summary["wall_s"],
-             summary["steps"], summary["samples_per_s"] or 0.0, summary["staleness_max"])
+    legs = summary.get("legs", 1)
+    log.info("run finished: %d steps, %.1f samples/s over %.0fs of training in %d trainer leg%s; %.0fs since the "
+             "first trainer started (this supervisor: %.0fs); max staleness %s", summary["steps"],
+             summary["samples_per_s"] or 0.0, summary.get("train_s") or 0.0, legs, "" if legs == 1 else "s",
+             summary.get("run_wall_s") or 0.0, summary["wall_s"], summary["staleness_max"])
     log.info("held-out greedy accuracy: start %s -> final %s (%+.1f points)", pct(summary["initial_accuracy"]),
              pct(summary["final_accuracy"]), 100 * summary.get("accuracy_gain", 0.0))
     log.info("metrics: %s/logs/metrics.jsonl (TensorBoard: %s/logs/tensorboard)", summary["run_dir"],

@@ -158,6 +158,25 @@ def test_resume_two_ranks_onto_one(tmp_path, assets) -> None:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
 
 
+def test_metrics_continue_across_a_trainer_restart(tmp_path, assets) -> None:
+    """Killed after step 4 (checkpoint at 3) and restarted: the second leg's records continue the first's
+    counters (samples, training time, wall time since the run started) and never re-evaluate the initial
+    policy as if it were the trained one."""
+    run = tmp_path / "m"
+    killed_and_resumed(run, assets, 1, 1, extra=("eval.at_start=true",))
+    records = read_metrics(run / "logs/metrics.jsonl")
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, STEPS]  # none at the resume step
+    steps = [r for r in records if "reward/mean" in r]
+    assert [(r["step"], r["leg"]) for r in steps] == [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (5, 2), (6, 2)]
+    first, last = {r["step"]: r for r in steps if r["leg"] == 1}, steps[-1]
+    # leg 2 started from the step-3 checkpoint: its training time includes leg 1's up to that checkpoint
+    assert last["time/train_s"] >= first[3]["time/leg_s"] + last["time/leg_s"]
+    assert last["throughput/samples_per_s"] == pytest.approx(STEPS * B * G / last["time/train_s"], rel=1e-3)
+    assert last["throughput/leg_samples_per_s"] == pytest.approx(3 * B * G / last["time/leg_s"], rel=1e-3)
+    elapsed = [r["time/elapsed_s"] for r in records]
+    assert elapsed == sorted(elapsed) and last["time/elapsed_s"] >= last["time/train_s"]  # downtime included
+
+
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, assets) -> None:
     run = tmp_path / "c"
     make_run(run, assets, 1)

@@ -149,7 +149,7 @@ def agree(ctx: DistContext, flag: bool) -> bool:
 
 def counters(feed: BatchFeed | None, reporter: Reporter | None) -> dict:
     """Rank 0's running totals, kept in the checkpoint so metrics continue seamlessly."""
-    return {"dropped": dict(feed.dropped) if feed else {}, "samples_total": reporter.samples_total if reporter else 0}
+    return {"dropped": dict(feed.dropped) if feed else {}, **(reporter.counters() if reporter else {})}
 
 
 def resume(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, checkpointer: Checkpointer,
@@ -165,7 +165,7 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, checkpointer: C
     if ctx.is_main:
         if meta:
             feed.dropped.update(meta.get("dropped", {}))
-            reporter.samples_total = meta.get("samples_total", 0)
+            reporter.restore(meta)
         reconcile(start, feed, weights, state)
     if ctx.world_size > 1:
         dist.barrier()

@@ -3,8 +3,24 @@
 After every step :meth:`Reporter.step` writes one record to
 ``logs/metrics.jsonl`` (and TensorBoard): rewards, staleness of the trained
 tokens, losses, timings and throughput. Every ``eval.every_steps`` steps, and
-at the start and the end, it loads the full weights into a plain (unsharded)
-copy of the model and measures greedy accuracy on the held-out split.
+at the end, it loads the full weights into a plain (unsharded) copy of the
+model and measures greedy accuracy on the held-out split; at the start of a
+run (``eval.at_start``) it measures the initial policy.
+
+A run may take several *legs*: a trainer restarted by the watchdog or a
+``--resume`` continues from a checkpoint, and the reporter continues from the
+counters kept in it (:meth:`Reporter.counters` / :meth:`Reporter.restore`):
+
+* ``time/elapsed_s``: wall seconds since the run's first trainer started,
+  downtime between legs included;
+* ``time/train_s``: seconds of training loop summed over legs; ``time/leg_s``
+  and ``leg`` (1, 2, ...): this leg's;
+* ``throughput/samples_per_s``: samples of committed steps over
+  ``time/train_s``; ``throughput/leg_samples_per_s``: this leg's alone.
+
+A resumed leg evaluates nothing at its start: the checkpoint's weights were
+evaluated when that step was due, and the initial policy is not the one
+being trained any more.
 """
 
 from __future__ import annotations
@@ -50,10 +66,29 @@ class Reporter:
         self.model = load_model(model_path)
         self.tokenizer, self.rows, self.score = tokenizer, eval_rows[: eval_cfg.size], score
         self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
-        self.t0 = time.time()
-        self.loop_start: float | None = None
-        self.samples_total = 0.0
+        self.t0 = time.time()  # this leg's process start
+        self.loop_start: float | None = None  # this leg's training loop start
+        self.samples_total = 0.0  # over all legs, committed steps only
+        self.leg_samples = 0.0
+        self.train_before = 0.0  # training-loop seconds of earlier legs
+        self.run_started: float | None = None  # unix time the run's first trainer started
+        self.leg = 1
         self.last: dict[str, Any] = {}
+
+    def restore(self, counters: Mapping[str, Any]) -> None:
+        """Continue from the counters of a checkpoint (:meth:`counters` of an earlier leg)."""
+        self.samples_total = float(counters.get("samples_total", 0.0))
+        self.train_before = float(counters.get("train_s", 0.0))
+        self.run_started = counters.get("run_started")
+        self.leg = int(counters.get("legs", 0)) + 1
+
+    def counters(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that the next leg's metrics continue these."""
+        return {"samples_total": self.samples_total, "train_s": self.train_s(), "run_started": self.run_started,
+                "legs": self.leg}
+
+    def train_s(self) -> float:
+        return self.train_before + (time.time() - self.loop_start if self.loop_start is not None else 0.0)
 
     def evaluate(self, state_dict: Mapping[str, torch.Tensor] | None) -> float:
         if state_dict is not None:
@@ -63,12 +98,18 @@ class Reporter:
         return res.accuracy
 
     def start(self, version: int) -> None:
-        if self.cfg.at_start:
+        """The training loop begins at ``version`` (0 for a new run, the checkpoint's step for a resumed leg)."""
+        if self.cfg.at_start and version == 0:
             t = time.time()
             acc = self.evaluate(None)
             self.write({"step": version, "eval/accuracy": acc, "time/eval_s": time.time() - t})
             log.info("step %d: held-out greedy accuracy %.3f", version, acc)
+        elif version > 0:
+            log.info("leg %d resumes at step %d (%.0f samples and %.0fs of training before it)", self.leg, version,
+                     self.samples_total, self.train_before)
         self.loop_start = time.time()
+        if self.run_started is None:
+            self.run_started = self.t0
 
     def due(self, step: int) -> bool:
         every = self.cfg.every_steps
@@ -79,8 +120,12 @@ class Reporter:
         record: dict[str, Any] = {"step": step, **group_stats(groups, step - 1), **stats, **extra}
         record.update({f"time/{k}_s": v for k, v in timings.items()})
         self.samples_total += record["samples"]
-        elapsed = time.time() - (self.loop_start or self.t0)
-        record["throughput/samples_per_s"] = self.samples_total / max(elapsed, 1e-9)
+        self.leg_samples += record["samples"]
+        now = time.time()
+        leg_s, train_s = now - (self.loop_start or self.t0), self.train_s()
+        record.update({"leg": self.leg, "time/leg_s": leg_s, "time/train_s": train_s,
+                       "throughput/samples_per_s": self.samples_total / max(train_s, 1e-9),
+                       "throughput/leg_samples_per_s": self.leg_samples / max(leg_s, 1e-9)})
         if self.due(step) and state_dict is not None:
             t = time.time()
             record["eval/accuracy"] = self.evaluate(state_dict)
@@ -88,7 +133,7 @@ class Reporter:
         self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
-        record.setdefault("time/elapsed_s", time.time() - self.t0)
+        record.setdefault("time/elapsed_s", time.time() - (self.run_started or self.t0))
         self.last = record
         self.writer.write(record)
 
