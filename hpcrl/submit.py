@@ -19,6 +19,12 @@ resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
 failed, 2 on a bad config, 3 when another ``--resume`` took the run over,
 75 when stopped by a signal (resume it).
 
+A new run that fails before any work (a bad model path, a partition Slurm
+rejects: no ticket admitted, no checkpoint) leaves ``FAILED_START`` in its
+directory, and rerunning the command with the config fixed reuses that
+directory instead of refusing it; any other existing run directory is
+refused (continue it with ``--resume``).
+
 ``--resume`` is safe while parts of the run still live (a supervisor was
 killed, its components were not): the new supervisor claims a new owner
 epoch, which fences everything the previous owner started, stops those
@@ -50,14 +56,38 @@ from hpcrl.metrics.writer import read_metrics
 log = logging.getLogger("hpcrl.submit")
 
 
+FAILED_START = "FAILED_START"  # written when a new run fails before any work; a rerun may reuse the directory
+
+
+def has_work(run_dir: Path) -> bool:
+    """Whether a run directory holds work a new run must not replace: an admitted ticket, a checkpoint, DONE."""
+    return (run_dir / "DONE").exists() or any((run_dir / "admission" / "tickets").glob("t*")) \
+        or any((run_dir / "ckpt").glob("step_*"))
+
+
 def create_run_dir(cfg: RunConfig) -> RunConfig:
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     if (run_dir / "config.yaml").exists():
-        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir")
+        if not (run_dir / FAILED_START).exists() or has_work(run_dir):
+            raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir, or continue it "
+                              f"with --resume {run_dir}")
+        why = atomic.read_json(run_dir / FAILED_START).get("error", "?")
+        log.warning("reusing %s: its previous start failed before any work (%s); replacing its config", run_dir, why)
+        for stale in ("config.yaml", "prepared.json", "summary.json", "admission/meta.json", FAILED_START):
+            (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, run_dir=str(run_dir))
     save(cfg, run_dir / "config.yaml")
     return cfg
+
+
+def record_failed_start(run_dir: Path, error: str) -> None:
+    """After a new run failed: if nothing was trained or admitted, say so, so that a corrected rerun of the
+    same command may reuse the directory (``create_run_dir``)."""
+    if has_work(run_dir):
+        return
+    atomic.write_json(run_dir / FAILED_START, {"error": error, "time": time.time()})
+    log.error("nothing was admitted or trained; rerunning with the config fixed reuses %s", run_dir)
 
 
 def open_resumed(run_dir: Path, overrides: list[str]) -> RunConfig:
@@ -133,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         supervise(cfg, run_dir, preempt=preempt)
     except ComponentFailed as e:
         log.error("%s", e)
+        if not args.resume:
+            record_failed_start(run_dir, str(e))
         return 1
     except RunTakenOver as e:
         log.error("%s", e)
@@ -149,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValueError as e:
         log.error("%s", e)
+        if not args.resume:
+            record_failed_start(run_dir, str(e))
         return 2
     report(summarize(run_dir, started))
     return 0

@@ -52,6 +52,19 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def test_a_failed_start_leaves_a_directory_that_a_corrected_rerun_reuses(tmp_path, cache) -> None:
+    run = tmp_path / "failed"
+    bad = submit(run, cache, "model.tiny=false", f"model.path={tmp_path / 'nowhere'}")
+    assert bad.returncode == 2 and "nothing was admitted or trained" in bad.stderr, bad.stderr[-3000:]
+    assert (run / "config.yaml").exists() and (run / "FAILED_START").exists()
+    fixed = submit(run, cache, "trainer.total_steps=2", "eval.every_steps=0")  # the same run_dir, config fixed
+    check_ok(fixed)
+    assert "its previous start failed before any work" in fixed.stderr and not (run / "FAILED_START").exists()
+    assert audit(run).ok and audit(run).steps == 2
+    again = submit(run, cache)  # a directory with work in it is never replaced
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
 def test_async_run_respects_staleness_and_trains_each_group_once(tmp_path, cache) -> None:
     run = tmp_path / "async"
     check_ok(submit(run, cache, "admission.max_staleness=1"))
