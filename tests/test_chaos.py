@@ -1,36 +1,35 @@
 """Chaos: 20 kill -9 of random components at random moments (some aimed at checkpoint
-writes and spool publishes) during a real local run; the watchdog resubmits each, the run
-completes, and the run directory proves nothing was lost, duplicated or read half-written."""
+writes and spool publishes, some at a trainer and a rollout together, one at the supervisor)
+and bad files fed to the trainer during a real local run; the watchdog (or ``--resume``)
+resubmits each victim, the run completes, and the run directory proves nothing was lost,
+duplicated, read half-written or trained without admission."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from chaos_script import load_chaos
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_chaos():
-    spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_twenty_kills_lose_nothing(tmp_path) -> None:
+def test_twenty_kills_a_supervisor_crash_and_bad_files_lose_nothing(tmp_path) -> None:
+    """20 kill -9: random and aimed, two trainer+rollout pairs, and the supervisor once (followed by
+    ``--resume``); plus two rounds of bad files dropped into spool/ready (a valid group under a ticket
+    never admitted, garbage named at a stale version, a truncated copy under another writer's name)."""
     chaos = load_chaos()
-    report = chaos.main(["--kills", "20", "--steps", "150", "--run-dir", str(tmp_path / "run"),
-                         "--cache", str(tmp_path / "cache"), "--seed", "1"])
+    report = chaos.main(["--kills", "20", "--supervisor-kills", "1", "--paired-kills", "2", "--injections", "2",
+                         "--steps", "400", "--run-dir", str(tmp_path / "run"), "--cache", str(tmp_path / "cache"),
+                         "--seed", "1"])
+    kills = {kind: n for kind, n in report["kills"].items() if kind != "inject"}
     assert report["exit_code"] == 0
-    assert sum(report["kills"].values()) >= 20
-    assert report["restarts"] >= 20  # every victim was resubmitted
-    assert report["violations"] == []  # staleness bound and exactly-once, from the run directory
-    assert report["steps"] == 150 and report["unfinished"] == 0
-    assert report["quarantined"] == 0  # no reader ever saw a partial spool file
-    assert report["trained_groups"] == 150 * 4
+    assert sum(kills.values()) >= 20 and kills["supervisor"] == 1 and report["kills"]["inject"] >= 1
+    assert report["restarts"] >= 15  # victims were resubmitted (those orphaned by the supervisor kill: by --resume)
+    assert report["peak_live"]["trainer"] == 1 and max(report["peak_live"].values()) == 1  # one owner at a time
+    assert report["violations"] == []  # staleness bound, exactly-once, admitted-only, from the run directory
+    assert report["steps"] == 400 and report["unfinished"] == 0
+    assert report["trained_groups"] == 400 * 4
+    assert report["injected_placed"] == {"quarantine": report["injected"]}  # every bad file set aside...
+    assert report["quarantined"] == report["injected"]  # ...and nothing else: no reader saw a partial file
 
 
 def test_trainer_kills_with_collective_weights(tmp_path) -> None:

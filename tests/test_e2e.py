@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from chaos_script import load_chaos
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -179,25 +179,6 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     assert rep.ok and rep.steps == steps and rep.unfinished == 0, rep.violations
 
 
-def _run_processes(run: Path) -> dict[str, list[int]]:
-    """Live component processes of ``run`` by role: trainer, rollout-0 (zombies do not count)."""
-    out: dict[str, list[int]] = {"trainer": [], "rollout-0": []}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        args = [a.decode(errors="replace") for a in cmd]
-        if state == "Z" or str(run) not in args:
-            continue
-        if "hpcrl.trainer" in args:
-            out["trainer"].append(int(pid))
-        elif "hpcrl.rollout" in args and args[args.index("--replica") + 1] == "0":
-            out["rollout-0"].append(int(pid))
-    return out
-
-
 def test_resume_after_a_supervisor_crash_never_runs_two_owners(tmp_path, cache) -> None:
     """kill -9 of the supervisor leaves its trainer and rollout running; ``--resume`` fences them (new owner
     epoch), waits for them to stop, and only then starts its own: sampled every 20 ms, there is never more
@@ -208,32 +189,24 @@ def test_resume_after_a_supervisor_crash_never_runs_two_owners(tmp_path, cache) 
                               *submit_args(run, cache, f"trainer.total_steps={steps}", "ckpt.every_steps=50",
                                            "eval.every_steps=0")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
-    peak, stop = {"trainer": 0, "rollout-0": 0}, False
-
-    def monitor() -> None:
-        while not stop:
-            for role, pids in _run_processes(run).items():
-                peak[role] = max(peak[role], len(pids))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=monitor, daemon=True)
-    watcher.start()
+    monitor = load_chaos().Monitor(run)  # samples the live trainer and rollout processes every 20 ms
+    monitor.start()
     deadline = time.time() + 180
     while not any(r.get("step", 0) >= 40 for r in read_metrics(run / "logs/metrics.jsonl")):
         assert time.time() < deadline and first.poll() is None
         time.sleep(0.2)
     first.kill()  # the supervisor only: its components run on, orphaned
     first.wait()
-    old = _run_processes(run)
-    assert len(old["trainer"]) == 1 and len(old["rollout-0"]) == 1, old
+    old = load_chaos().run_processes(run)
+    assert {role: len(pids) for role, pids in old.items()} == {"trainer": 1, "rollout-0": 1}, old
     try:
         done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
                               text=True, timeout=600, env=env, cwd=ROOT)
     finally:
-        stop = True
-        watcher.join()
+        monitor.stopped.set()
+        monitor.join()
     assert done.returncode == 0, done.stderr[-4000:]
-    assert peak == {"trainer": 1, "rollout-0": 1}, peak
+    assert monitor.peak == {"trainer": 1, "rollout-0": 1}, monitor.peak
     assert "taking over from owner epoch 1" in done.stderr and "stopped by itself" in done.stderr, done.stderr[-3000:]
     assert all(not Path(f"/proc/{p}").exists() for p in old["trainer"] + old["rollout-0"])
     assert "fenced:" in (run / "logs" / "trainer-r0.log").read_text()

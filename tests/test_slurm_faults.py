@@ -1,7 +1,8 @@
 """On the real local Slurm cluster: ``scancel`` of the rollout job and of the trainer job during
 a run are each followed by a resubmission by the watchdog, jobs that reach their Slurm time
 limit (component jobs, and the whole heterogeneous allocation) checkpoint, come back and
-finish, and every run completes with its invariants intact (audit from the run directory)."""
+finish, a new owner cancels what the previous one left running, and every run completes with
+its invariants intact (audit from the run directory)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from chaos_script import load_chaos
 from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd
 
 from hpcrl.audit import audit
@@ -70,17 +72,41 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived(tmp_path) -> None:
 
 
 def test_chaos_on_slurm(tmp_path) -> None:
-    """A shorter chaos run with every component a Slurm job: SIGKILL through scancel, at random moments."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
-    chaos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chaos)
-    report = chaos.main(["--kills", "6", "--steps", "300", "--replicas", "1", "--run-dir", str(tmp_path / "run"),
-                         "--cache", str(tmp_path / "cache"), "--seed", "5", "launch.scheduler=slurm"])
+    """A shorter chaos run with every component a Slurm job: SIGKILL through scancel at random moments, and
+    one kill -9 of the supervisor followed by ``--resume``, which takes the run over from the jobs it left."""
+    report = load_chaos().main(["--kills", "7", "--supervisor-kills", "1", "--steps", "300", "--replicas", "1",
+                                "--run-dir", str(tmp_path / "run"), "--cache", str(tmp_path / "cache"), "--seed", "5",
+                                "launch.scheduler=slurm"])
     assert report["exit_code"] == 0 and report["violations"] == []
-    assert sum(report["kills"].values()) >= 6 and report["restarts"] >= 6
+    assert sum(report["kills"].values()) >= 7 and report["kills"]["supervisor"] == 1 and report["restarts"] >= 4
+    assert report["peak_live"]["trainer"] == 1 and max(report["peak_live"].values()) == 1  # one owner at a time
     assert report["steps"] == 300 and report["unfinished"] == 0 and report["quarantined"] == 0
+
+
+def test_takeover_scancels_a_slurm_job_that_ignores_the_fence(tmp_path) -> None:
+    """A previous owner's job that never checks the fence (here: a bare ``sleep``) is waited for
+    ``launch.takeover_timeout_s``, then cancelled with ``scancel``; the new owner starts only after that."""
+    from hpcrl.config import load_config
+    from hpcrl.launch.takeover import take_over
+
+    job = subprocess.run(["sbatch", "--parsable", "-J", "hpcrl-takeover-test", "-o", "/dev/null", "--wrap",
+                          f"sleep 300 # {tmp_path}"], capture_output=True, text=True, timeout=60, check=True)
+    job_id = job.stdout.strip().split(";")[0]
+    try:
+        (tmp_path / "jobs").mkdir()
+        (tmp_path / "jobs" / "registry.json").write_text(json.dumps(
+            {"rollout-0": {"job_id": job_id, "scheduler": "slurm", "epoch": 1, "instance": "e1n1"}}))
+        cfg = load_config(ROOT / "configs/quickstart.yaml", ["launch.takeover_timeout_s=3"])
+        t0 = time.time()
+        assert take_over(cfg, tmp_path, epoch=2)
+        assert time.time() - t0 >= 3  # it waited for the job to stop by itself first
+        deadline = time.time() + 60
+        while sacct(job_id).get(job_id, ("", "PENDING", ""))[1] in ("PENDING", "RUNNING", "COMPLETING"):
+            assert time.time() < deadline, sacct(job_id)
+            time.sleep(0.5)
+        assert sacct(job_id)[job_id][1] == "CANCELLED"
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
 
 
 def events_of(run: Path) -> list[dict]:
