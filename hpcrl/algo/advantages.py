@@ -90,7 +90,7 @@ def group_advantages(rewards: torch.Tensor, estimator: str, eps: float = 1e-6, *
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     group_size = rewards.shape[1]
-    if unbiased and group_size < 2 and "group" in (mean_lv, std_lv):
+    if unbiased and group_size < 2 and std_lv == "group":  # only a group std divides by n - 1 = 0
         raise ValueError(f"group_size: an unbiased group std needs at least 2 samples, got {group_size}")
     if mean_lv == "loo":
         if group_size < 2:

@@ -29,6 +29,7 @@ import torch
 
 from hpcrl.algo.aggregate import aggregate, loss_normaliser, per_sequence_mean, to_tokens
 from hpcrl.algo.config import AlgoConfig
+from hpcrl.algo.kl import k3 as kl_k3
 from hpcrl.algo.kl import kl_estimate
 
 __all__ = ["LossOutput", "behaviour_weight", "decoupled_ppo_loss", "loss_normaliser", "token_logprobs"]
@@ -202,7 +203,7 @@ def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, out_of
         return torch.where(valid, x.to(ratio.dtype), zero).sum() / denom
 
     # k3 estimator of KL(current || prox): exp(-d) - 1 + d with d = logp - logp_prox.
-    k3 = torch.exp(-log_ratio) - 1.0 + log_ratio
+    k3 = kl_k3(log_ratio)
     w_max = torch.where(valid, raw_w, zero).max() if raw_w.numel() else zero
     named = {"clip_fraction": mean(clip_active), "dual_clip_fraction": mean(dual_active),
              "imp_weight_mean": mean(raw_w), "imp_weight_max": w_max,
