@@ -63,6 +63,12 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def __post_init__(self) -> None:
+        if self.algo.temperature != self.rollout.temperature:
+            raise ValueError(f"algo.temperature: {self.algo.temperature} differs from rollout.temperature "
+                             f"{self.rollout.temperature}; the trainer's log-probabilities must use the temperature "
+                             "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load ``path`` (YAML) with ``key=value`` overrides into a validated RunConfig."""
@@ -77,7 +83,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file not found: {path}") from e
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot read config: {e}") from e
-    return build(RunConfig, data or {}, "")
+    return build(RunConfig, one_temperature(data or {}), "")
+
+
+def one_temperature(data: dict) -> dict:
+    """One sampling temperature for both sides: ``algo.temperature`` follows ``rollout.temperature`` unless
+    set (and :class:`RunConfig` refuses the two when they differ)."""
+    rollout = data.get("rollout")
+    algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
+    if isinstance(rollout, dict) and "temperature" in rollout and "temperature" not in algo:
+        data = {**data, "algo": {**algo, "temperature": rollout["temperature"]}}
+    return data
 
 
 def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> Any:
@@ -95,7 +111,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> Any:
 
 def from_dict(data: dict) -> RunConfig:
     """Build a RunConfig from a plain dict (as saved in config.yaml)."""
-    return build(RunConfig, data, "")
+    return build(RunConfig, one_temperature(data), "")
 
 
 def to_dict(cfg: Any) -> dict:

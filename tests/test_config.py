@@ -45,6 +45,18 @@ def test_prox_approx_needs_decoupled_ppo() -> None:
         load_config(QUICK, ["algo.prox_approx=true", "algo.decoupled=false"])
 
 
+def test_one_sampling_temperature_for_rollouts_and_trainer(tmp_path) -> None:
+    cfg = load_config(QUICK, ["rollout.temperature=0.7"])  # the trainer scores with what the rollouts sample
+    assert cfg.algo.temperature == cfg.rollout.temperature == 0.7
+    save(cfg, tmp_path / "config.yaml")
+    assert from_dict(to_dict(cfg)).algo.temperature == 0.7
+    assert load_config(QUICK, ["rollout.temperature=0.7", "algo.temperature=0.7"]).algo.temperature == 0.7
+    with pytest.raises(ConfigError, match=r"^algo\.temperature: 1\.0 differs from rollout\.temperature 0\.7"):
+        load_config(QUICK, ["rollout.temperature=0.7", "algo.temperature=1.0"])
+    with pytest.raises(ConfigError, match=r"^algo\.temperature:"):
+        load_config(QUICK, ["algo.temperature=0.5"])  # set on the trainer's side alone: refused, not ignored
+
+
 def test_missing_model_and_data_name_keys() -> None:
     with pytest.raises(ConfigError, match=r"^model\.path:"):
         load_config(None, ["data.synthetic=addition"])

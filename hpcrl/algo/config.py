@@ -67,7 +67,8 @@ class AlgoConfig:
     drop_uniform_groups: bool = True
     # DAPO dynamic sampling: the trainer drops uniform groups from the spool and takes more until B are in hand
     dynamic_sampling: bool = False
-    # sampling temperature; logits are divided by it before logprobs
+    # sampling temperature; logits are divided by it before logprobs. Follows rollout.temperature (a run
+    # config with the two different is refused): the rollouts sample with it, the trainer must score with it
     temperature: float = 1.0
     # KL against the frozen initial policy: none, a per-token reward penalty, or a loss term
     kl_mode: KLMode = "none"
