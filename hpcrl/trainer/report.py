@@ -18,9 +18,9 @@ counters kept in it (:meth:`Reporter.counters` / :meth:`Reporter.restore`):
 * ``throughput/samples_per_s``: samples of committed steps over
   ``time/train_s``; ``throughput/leg_samples_per_s``: this leg's alone.
 
-A resumed leg evaluates nothing at its start: the checkpoint's weights were
-evaluated when that step was due, and the initial policy is not the one
-being trained any more.
+A resumed leg evaluates nothing at its start: the initial policy is not the
+one being trained any more, and the next due step evaluates the trained
+weights (the checkpoint's own step was evaluated if it was due).
 """
 
 from __future__ import annotations
