@@ -72,39 +72,62 @@ def collect(engine, requests: list[Request]) -> list[Completion]:
     return sorted(done, key=lambda c: c.id)
 
 
-def run_with_update(engine, requests: list[Request], weights: DiskWeights) -> list[Completion]:
-    """Submit all, update to version 1 mid-way, collect everything.
+def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWeights, attempts: int = 5,
+                          long_tokens: int = 160) -> tuple[dict[str, int], int, torch.nn.Module]:
+    """Submit all, update the weights mid-way, collect everything, and check every token's version is exact.
 
-    Mid-way: when the first request finishes or a quarter of the time a
-    warm-up run of the same requests took, whichever comes first.
+    Mid-way: when the first request finishes. Every fourth request is a pacer
+    that may generate two tokens; the others may generate ``long_tokens``.
+    Where the update still missed the generation (on a loaded machine the
+    server's answers can lag its engine by a whole batch, or one request can
+    finish before the others have started), no sequence spans two versions:
+    the scenario is played again with the next version (B and A alternate),
+    up to ``attempts`` times. Exactness is checked on every attempt.
+
+    Returns (counts of the attempt that interrupted generation, its new
+    version, the model holding that version's weights).
     """
-    t0 = time.time()
     collect(engine, [Request(("warm-up", r.id), r.prompt_ids, r.max_new_tokens) for r in requests])
-    after_s = (time.time() - t0) / 4
-    for r in requests:
-        engine.submit(r)
-    done: list[Completion] = []
-    t0, updated = time.time(), False
-    while len(done) < len(requests):
-        done += engine.poll(0.01)
-        if not updated and (done or time.time() - t0 > after_s):
-            engine.update_weights(weights.locate(1))
-            updated = True
-        assert time.time() - t0 < 120, "engine did not finish"
-    assert updated and engine.version == 1
-    return sorted(done, key=lambda c: c.id)
+    models = {engine.version: a}
+    tries = []
+    for _ in range(attempts):
+        old = engine.version
+        new = old + 1
+        models[new] = b if models[old] is a else a
+        if weights.latest_version() < new:
+            weights.publish(models[new].state_dict(), new)
+        paced = [Request((new, r.id), r.prompt_ids, 2 if i % 4 == 0 else long_tokens) for i, r in enumerate(requests)]
+        for r in paced:
+            engine.submit(r)
+        done: list[Completion] = []
+        t0, updated = time.time(), False
+        while len(done) < len(paced):
+            done += engine.poll(0.01)
+            if not updated and done:
+                engine.update_weights(weights.locate(new))
+                updated = True
+            assert time.time() - t0 < 120, "engine did not finish"
+        assert updated and engine.version == new
+        counts = check_versions_exact(done, models[old], models[new], old, new)
+        if counts["old"] > 0 and counts["new"] > 0 and counts["spanning"] > 0:
+            return counts, new, models[new]
+        tries.append(counts)
+    raise AssertionError(f"no update of {attempts} interrupted a generation: {tries}")
 
 
-def check_versions_exact(done: list[Completion], a, b, tol: float = 2e-3) -> dict[str, int]:
+def check_versions_exact(done: list[Completion], old_model, new_model, old: int = 0, new: int = 1,
+                         tol: float = 2e-3) -> dict[str, int]:
     """Every token's logprob equals its tagged version's own (and not the other's): versions are exact."""
-    models = {0: a, 1: b}
-    counts = {"v0": 0, "v1": 0, "spanning": 0, "told_apart": 0}
+    models = {old: old_model, new: new_model}
+    counts = {"old": 0, "new": 0, "spanning": 0, "told_apart": 0}
     for c in done:
         assert c.versions == sorted(c.versions), c.versions  # never back to an older version
+        assert set(c.versions) <= {old, new}, c.versions
         ref = {v: full_logprobs(m, c.prompt_ids, c.output_ids) for v, m in models.items()}
         for i, (lp, v) in enumerate(zip(c.logprobs, c.versions)):
-            assert abs(lp - ref[v][i]) < tol, (c.id, i, v, lp, ref[v][i], ref[1 - v][i])
-            counts[f"v{v}"] += 1
-            counts["told_apart"] += abs(ref[0][i] - ref[1][i]) > 10 * tol
+            other = new if v == old else old
+            assert abs(lp - ref[v][i]) < tol, (c.id, i, v, lp, ref[v][i], ref[other][i])
+            counts["old" if v == old else "new"] += 1
+            counts["told_apart"] += abs(ref[old][i] - ref[new][i]) > 10 * tol
         counts["spanning"] += len(set(c.versions)) == 2
     return counts

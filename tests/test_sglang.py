@@ -3,21 +3,25 @@ and against a real SGLang server where one can run (marked ``sglang``: CUDA only
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_checks import check_versions_exact, collect, hf_greedy, make_policies, prompts, run_with_update
+from engine_checks import collect, hf_greedy, make_policies, prompts, update_mid_generation
 from hpcrl.model.tiny import build_char_tokenizer
-from hpcrl.rollout import sglang_engine
+from hpcrl.rollout import remote_engine, sglang_engine
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine, Request, SamplingParams
 from hpcrl.rollout.engines import EngineSite, build_engine
+from hpcrl.rollout.remote_engine import RemoteEngine
 from hpcrl.rollout.server import EngineServerError
 from hpcrl.weights.version import WeightVersion
 
@@ -64,23 +68,22 @@ def calls(engine) -> list[tuple[str, dict]]:
 
 def test_update_mid_generation_is_version_exact_and_loads_the_published_weights(engine, policies, launcher) -> None:
     _, a, b, weights = policies
-    done = run_with_update(engine, [Request(i, p) for i, p in enumerate(prompts(16))], weights)
-    counts = check_versions_exact(done, a, b)
-    assert counts["v0"] > 0 and counts["v1"] > 0 and counts["spanning"] > 0, counts
-    assert counts["told_apart"] > 0.5 * (counts["v0"] + counts["v1"]), counts
+    counts, version, model = update_mid_generation(engine, [Request(i, p) for i, p in enumerate(prompts(16))],
+                                                   a, b, weights)
+    assert counts["told_apart"] > 0.5 * (counts["old"] + counts["new"]), counts
     engine.sampling = SamplingParams(max_new_tokens=10, greedy=True)
     greedy = prompts(6)
     got = collect(engine, [Request(i, p) for i, p in enumerate(greedy)])
     for i, p in enumerate(greedy):
-        assert got[i].output_ids == hf_greedy(b, p, 10), i
-        assert got[i].versions == [1] * len(got[i].output_ids)
+        assert got[i].output_ids == hf_greedy(model, p, 10), i
+        assert got[i].versions == [version] * len(got[i].output_ids)
     if launcher[1] == str(STANDIN):  # the protocol, as the server saw it
         paths = [p for p, _ in calls(engine) if p != "/generate" and not p.startswith("/standin")]
         update = paths.index("/update_weights_from_disk")
         assert paths[update - 2:update + 3] == ["/abort_request", "/pause_generation", "/update_weights_from_disk",
                                                 "/update_weight_version", "/continue_generation"], paths
         body = dict(calls(engine))["/update_weights_from_disk"]
-        assert body["weight_version"] == "1" and Path(body["model_path"]) == weights.version_dir(1)
+        assert body["weight_version"] == str(version) and Path(body["model_path"]) == weights.version_dir(version)
 
 
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:
@@ -111,3 +114,53 @@ def test_a_bad_model_path_fails_with_the_servers_own_error(launcher, tmp_path) -
     with pytest.raises(EngineServerError, match="exited with code") as err:
         start(tmp_path / "no-such-model", tmp_path, server_start_timeout_s=120)
     assert "no-such-model" in err.value.tail
+
+
+# -- the client's connection pool against a server's keep-alive ---------------------------------------------------
+
+class OneRequestPerConnection:
+    """A raw HTTP server that answers the first request on a connection and closes the connection when a second
+    one arrives: what a server does whose keep-alive expires just as a pooled connection is reused."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self.serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        for answered in (False, True):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            if answered:
+                break
+            body = json.dumps({"text": "", "output_ids": [5, 6],
+                               "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "0",
+                                             "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]]}}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+
+
+def test_a_connection_idle_longer_than_the_client_keepalive_is_not_reused(tmp_path) -> None:
+    # uvicorn (vLLM's and SGLang's server) closes an idle connection after 5 s; a client that reuses one as it
+    # closes gets "Server disconnected", and the rollout job failed (seen on a loaded CI machine)
+    server = OneRequestPerConnection()
+    engine = RemoteEngine(sglang_engine.SGLangBackend(), server.url, sampling=SamplingParams(max_new_tokens=2),
+                          staging_dir=tmp_path / "staging")
+    try:
+        first = collect(engine, [Request("first", [3, 4])])
+        assert first[0].output_ids == [5, 6] and first[0].logprobs == [-0.5, -0.25]
+        time.sleep(remote_engine.CLIENT_KEEPALIVE_S + 0.5)  # idle: the pool must have let the connection go
+        second = collect(engine, [Request("second", [3, 4])])
+        assert second[0].output_ids == [5, 6] and server.connections == 2
+    finally:
+        engine.close()
+        server.close()

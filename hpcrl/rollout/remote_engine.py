@@ -60,6 +60,11 @@ from hpcrl.weights.version import WeightVersion
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# An idle pooled connection is dropped after this long. It must be shorter than the server's own keep-alive
+# (uvicorn's default, used by vLLM and SGLang, is 5 s): a connection reused just as the server closes it fails the
+# request with "Server disconnected" (aiohttp's default of 15 s did, for a rollout idle between batches).
+CLIENT_KEEPALIVE_S = 2.0
+
 
 @dataclass
 class Segment:
@@ -139,7 +144,8 @@ class RemoteEngine:
     async def _open_session(self) -> None:
         # no total timeout: a long generation is legitimate; no byte for request_timeout_s is not
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=self.request_timeout_s)
-        self._http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+        self._http = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._gate = asyncio.Event()
         self._gate.set()
 
