@@ -17,7 +17,8 @@ resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
 (initial and final held-out accuracy, wall time, throughput) and write it to
 ``<run_dir>/summary.json``. Exit 0 when the run completed, 1 when a component
 failed, 2 on a bad config, 3 when another ``--resume`` took the run over,
-75 when stopped by a signal (resume it).
+4 when ``python -m hpcrl cancel`` stopped it, 75 when stopped by a signal
+(resume either with ``--resume``, which also clears the cancel request).
 
 A new run that fails before any work (a bad model path, a partition Slurm
 rejects: no ticket admitted, no checkpoint) leaves ``FAILED_START`` in its
@@ -49,7 +50,8 @@ from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
 from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
-from hpcrl.launch.supervisor import RunPreempted, RunTakenOver, supervise
+from hpcrl.launch.control import CANCEL, EXIT_CANCELLED, cancel_requested
+from hpcrl.launch.supervisor import RunCancelled, RunPreempted, RunTakenOver, supervise
 from hpcrl.runtime.owner import EXIT_FENCED
 from hpcrl.metrics.writer import read_metrics
 
@@ -73,7 +75,7 @@ def create_run_dir(cfg: RunConfig) -> RunConfig:
                               f"with --resume {run_dir}")
         why = atomic.read_json(run_dir / FAILED_START).get("error", "?")
         log.warning("reusing %s: its previous start failed before any work (%s); replacing its config", run_dir, why)
-        for stale in ("config.yaml", "prepared.json", "summary.json", "admission/meta.json", FAILED_START):
+        for stale in ("config.yaml", "prepared.json", "summary.json", "admission/meta.json", CANCEL, FAILED_START):
             (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, run_dir=str(run_dir))
@@ -98,6 +100,11 @@ def open_resumed(run_dir: Path, overrides: list[str]) -> RunConfig:
     cfg = load_saved(run_dir)
     if (run_dir / "DONE").exists():
         raise ConfigError(f"run_dir: {run_dir} has finished (DONE is there); nothing to resume")
+    request = cancel_requested(run_dir)
+    if request is not None:
+        log.info("the run was cancelled by %s at %s; resuming it", request.get("user", "?"),
+                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(request.get("time", 0))))
+        (run_dir / CANCEL).unlink(missing_ok=True)
     return replace(cfg, run_dir=str(run_dir))
 
 
@@ -169,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunTakenOver as e:
         log.error("%s", e)
         return EXIT_FENCED
+    except RunCancelled as e:
+        log.warning("%s. Continue with: python -m hpcrl.submit --resume %s", e, run_dir)
+        return EXIT_CANCELLED
     except RunPreempted as e:
         if request_slurm_requeue():
             log.warning("%s; Slurm requeues this job and it resumes %s", e, run_dir)

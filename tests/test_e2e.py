@@ -179,6 +179,78 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     assert rep.ok and rep.steps == steps and rep.unfinished == 0, rep.violations
 
 
+def hpcrl_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def status_of(run: Path) -> dict:
+    out = hpcrl_cli("status", str(run), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not any(r.get("step", 0) >= step for r in read_metrics(run / "logs/metrics.jsonl")):
+        assert time.time() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.2)
+
+
+def last_step(run: Path) -> int:
+    return max(r["step"] for r in read_metrics(run / "logs/metrics.jsonl") if "reward/mean" in r)
+
+
+def test_status_and_cancel_with_and_without_a_live_supervisor(tmp_path, cache) -> None:
+    """``python -m hpcrl status`` shows a running run; ``cancel`` stops it through its supervisor (exit 4, every
+    component checkpoints, no requeue); after ``--resume`` and a kill -9 of that supervisor, ``cancel`` stops
+    the orphaned components itself, and the trainer checkpoints again. The audit stays clean."""
+    run, steps = tmp_path / "cancel", 1000
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    assert hpcrl_cli("status", str(tmp_path)).returncode == 2  # not a run directory: said, not a traceback
+    first = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+                              *submit_args(run, cache, f"trainer.total_steps={steps}", f"ckpt.every_steps={10 * steps}",
+                                           "eval.every_steps=0")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    wait_for_step(run, 30, first)
+    st = status_of(run)
+    assert st["state"] == "running" and st["supervisor"]["state"] == "running", st
+    assert st["supervisor"]["pid"] == first.pid and st["progress"]["step"] >= 30
+    assert st["progress"]["total_steps"] == steps and st["progress"]["checkpoint"] is None
+    assert {n: c["state"] for n, c in st["components"].items()} == {"trainer-r0": "running", "rollout-0": "running"}
+    assert st["progress"]["tickets_admitted"] >= 4 * st["progress"]["step"]
+    text = hpcrl_cli("status", str(run)).stdout
+    assert "state: running" in text and "trainer-r0" in text and f"/{steps}" in text, text
+
+    cancelled = hpcrl_cli("cancel", str(run))
+    assert cancelled.returncode == 0, cancelled.stderr[-3000:]
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 4 and "cancelled by" in err and f"--resume {run}" in err, err[-3000:]
+    at = last_step(run)
+    assert (run / "ckpt" / f"step_{at:06d}").is_dir()  # checkpointed where it stopped, not requeued
+    st = status_of(run)
+    assert st["state"] == "cancelled" and st["supervisor"]["state"] == "exited", st
+    assert not any(c["alive"] for c in st["components"].values()) and st["progress"]["checkpoint_step"] == at
+
+    second = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+    wait_for_step(run, at + 30, second)
+    assert status_of(run)["state"] == "running"  # --resume cleared the cancel request
+    second.kill()  # the supervisor only: its trainer and rollout run on
+    second.wait()
+    st = status_of(run)
+    assert st["supervisor"]["state"] == "lost" and st["state"].startswith("orphaned"), st
+    cancelled = hpcrl_cli("cancel", str(run))
+    assert cancelled.returncode == 0 and "no supervisor runs" in cancelled.stderr, cancelled.stderr[-3000:]
+    again = last_step(run)
+    assert again > at and (run / "ckpt" / f"step_{again:06d}").is_dir()
+    assert not load_chaos().run_processes(run)
+    assert status_of(run)["state"] == "cancelled"
+    rep = audit(run)
+    assert rep.ok and rep.steps == again, rep.violations
+
+
 def test_resume_after_a_supervisor_crash_never_runs_two_owners(tmp_path, cache) -> None:
     """kill -9 of the supervisor leaves its trainer and rollout running; ``--resume`` fences them (new owner
     epoch), waits for them to stop, and only then starts its own: sampled every 20 ms, there is never more

@@ -7,6 +7,7 @@ its invariants intact (audit from the run directory)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from chaos_script import load_chaos
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd
+from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd, wait_not_active
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -43,7 +44,15 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180) -> N
         time.sleep(0.5)
 
 
-def test_scancel_of_rollout_and_trainer_jobs_is_survived(tmp_path) -> None:
+def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, timeout=300,
+                          env=job_env(), cwd=ROOT)
+
+
+def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphaned_jobs(tmp_path) -> None:
+    """Each scancel is followed by a resubmission; ``status`` shows the restarts and the jobs' Slurm states;
+    after a kill -9 of the supervisor, ``cancel`` signals the jobs itself (the trainer checkpoints), and
+    ``--resume`` finishes the run from that checkpoint."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     cmd = submit_cmd(run, cache, "trainer.total_steps=400", "ckpt.every_steps=10", "eval.every_steps=0",
                      "watchdog.backoff_s=0.5")
@@ -58,14 +67,30 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived(tmp_path) -> None:
                      f"resubmission of {name}")
             step = last_step(run)
             wait_for(lambda: last_step(run) >= step + 10, proc, f"progress after {name} came back")
-        assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-3000:]
+        st = json.loads(hpcrl_cli("status", str(run), "--json").stdout)
+        assert st["state"] == "running" and st["supervisor"]["scheduler"] == "slurm", st
+        assert {n: (c["state"], c["restarts"]) for n, c in st["components"].items()} == \
+            {"trainer": ("RUNNING", 1), "rollout-0": ("RUNNING", 1)}, st["components"]
+        proc.kill()  # the supervisor only: its Slurm jobs run on
+        proc.wait()
+        cancelled = hpcrl_cli("cancel", str(run))
+        assert cancelled.returncode == 0 and "no supervisor runs" in cancelled.stderr, cancelled.stderr[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+    at = last_step(run)
+    assert (run / "ckpt" / f"step_{at:06d}").is_dir()
+    assert f"preempted (signal {int(signal.SIGUSR2)} after step" in (run / "logs/trainer-r0.log").read_text()
+    assert "RUNNING" not in wait_not_active([r["job_id"] for r in registry(run).values()]).values()
+    assert json.loads(hpcrl_cli("status", str(run), "--json").stdout)["state"] == "cancelled"
+    done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
+                          text=True, timeout=600, env=job_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
     assert {e["component"] for e in events if e["action"] == "restart"} >= {"rollout-0", "trainer"}
     resumes = [ln for ln in (run / "logs" / "trainer-r0.log").read_text().splitlines() if "resumed from" in ln]
-    assert len(resumes) == 1, resumes  # one resubmitted trainer, no second one requeued by Slurm beside it
+    # one resubmitted trainer (no second one requeued by Slurm beside it), then the resume after the cancel
+    assert len(resumes) == 2 and f"step_{at:06d}" in resumes[1], resumes
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == 400 and rep.unfinished == 0

@@ -168,20 +168,24 @@ class SlurmScheduler:
     def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None:
         if job_id in self._codes:
             return
-        # a component that sees SIGTERM may ask for its own requeue (preemption handling): a job the
-        # supervisor stops must not come back, so it is made non-requeueable first
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], capture_output=True, timeout=60)
-        if sig == signal.SIGKILL:
-            cmd = ["scancel", job_id]
-        else:
-            cmd = ["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", job_id]
-        subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        signal_job(job_id, sig)
 
     def wait(self, job_id: str, timeout: float) -> int | None:
         deadline = time.time() + timeout
         while (code := self.poll(job_id)) is None and time.time() < deadline:
             time.sleep(0.5)
         return code
+
+
+def signal_job(job_id: str, sig: int = signal.SIGTERM) -> None:
+    """Signal a component's job (SIGKILL: cancel it). A component that sees SIGTERM may ask for its own
+    requeue (preemption handling): a job being stopped must not come back, so it is made non-requeueable first."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], capture_output=True, timeout=60)
+    if sig == signal.SIGKILL:
+        cmd = ["scancel", job_id]
+    else:
+        cmd = ["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", job_id]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
 def render_sbatch(spec: ComponentSpec, folder: Path) -> str:

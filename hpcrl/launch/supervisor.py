@@ -49,6 +49,7 @@ from hpcrl.config import RunConfig
 from hpcrl.runtime.dist import free_port
 from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, Scheduler, log_tail, python_module
 from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
@@ -142,6 +143,11 @@ class RunTakenOver(RuntimeError):
     """A newer owner (another ``--resume``) claimed the run: this supervisor stopped its components."""
 
 
+class RunCancelled(RuntimeError):
+    """``python -m hpcrl cancel`` asked the run to stop: every component was asked to checkpoint and stop, and
+    the run is not requeued; it continues with ``python -m hpcrl.submit --resume``."""
+
+
 class RunPreempted(RuntimeError):
     """The supervisor was signalled (walltime, preemption, scancel): every component was asked to
     checkpoint and stop; the run continues with ``python -m hpcrl.submit --resume``."""
@@ -163,6 +169,8 @@ def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None,
             clean_temporaries(run_dir)  # nothing of the previous owner runs any more
         if preempt is not None and preempt.requested:
             raise RunPreempted(f"stopped on {signal.Signals(preempt.signum).name} before the components started")
+        if cancel_requested(run_dir) is not None:
+            raise RunCancelled("cancelled before the components started")
         _submit_all(cfg, run_dir, scheduler, jobs, owner)
         _watch(cfg, run_dir, scheduler, jobs, owner, preempt)
     finally:
@@ -230,7 +238,14 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
             cleaned = time.time()
         progress.maybe_print()
         if preempt is not None and preempt.requested:
-            _stop_for_preemption(cfg, scheduler, jobs, events, signal.Signals(preempt.signum).name)
+            _stop_all(cfg, scheduler, jobs, events, f"supervisor received {signal.Signals(preempt.signum).name}")
+            raise RunPreempted(f"stopped on {signal.Signals(preempt.signum).name}: every component checkpointed "
+                               "or was stopped")
+        request = cancel_requested(run_dir)
+        if request is not None:
+            who = f"{request.get('user', '?')} on {request.get('host', '?')}"
+            _stop_all(cfg, scheduler, jobs, events, f"cancel requested by {who}")
+            raise RunCancelled(f"cancelled by {who}: every component checkpointed or was stopped")
         codes = {n: scheduler.poll(j) for n, (j, _) in jobs.items()}
         trainer_codes = [c for n, c in codes.items() if _is_trainer(n)]
         if all(c == 0 for c in trainer_codes) and (run_dir / "DONE").exists():
@@ -290,12 +305,12 @@ def _event(path: Path, name: str, job_id: str, decision: Decision) -> None:
                             "action": decision.action, "reason": decision.reason}) + "\n")
 
 
-def _stop_for_preemption(cfg: RunConfig, scheduler: Scheduler, jobs: dict, events: Path, why: str) -> None:
-    """Ask every component to checkpoint and stop (SIGUSR2), wait for them, then raise RunPreempted."""
+def _stop_all(cfg: RunConfig, scheduler: Scheduler, jobs: dict, events: Path, why: str) -> None:
+    """Ask every component to checkpoint and stop (SIGUSR2) and wait for them (``launch.preempt_grace_s``)."""
     grace = cfg.launch.preempt_grace_s
-    log.warning("supervisor received %s: asking every component to checkpoint and stop (grace %.0fs)", why, grace)
+    log.warning("%s: asking every component to checkpoint and stop (grace %.0fs)", why, grace)
     for name, (job_id, _) in jobs.items():
-        _event(events, name, job_id, Decision("stop", f"supervisor received {why}: preemption/walltime"))
+        _event(events, name, job_id, Decision("stop", why))
         scheduler.cancel(job_id, signal.SIGUSR2)
     deadline = time.time() + grace
     for name, (job_id, _) in jobs.items():
@@ -305,7 +320,6 @@ def _stop_for_preemption(cfg: RunConfig, scheduler: Scheduler, jobs: dict, event
                         "checkpoint)", name, grace)
         else:
             log.info("%s stopped (exit %s)", name, code)
-    raise RunPreempted(f"stopped on {why}: every component checkpointed or was stopped")
 
 
 def _stop_rollouts(scheduler: Scheduler, jobs: dict, timeout_s: float) -> None:

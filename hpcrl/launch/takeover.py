@@ -46,13 +46,13 @@ _SLURM_LIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "R
 
 def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
     """Stop every job of earlier owners; True when none is left that could still write."""
-    previous = _registry(run_dir)
+    previous = registry(run_dir)
     if previous:
         prev_epoch = max((rec.get("epoch", 0) for rec in previous.values()), default=0)
         rec = owner_record(run_dir, prev_epoch) if prev_epoch else {}
         log.info("taking over from owner epoch %s (supervisor pid %s on %s): %d jobs to check", prev_epoch or "?",
                  rec.get("pid", "?"), rec.get("host", "?"), len(previous))
-    live = {name: rec for name, rec in previous.items() if rec.get("epoch", 0) < epoch and _alive(run_dir, rec)}
+    live = {name: rec for name, rec in previous.items() if rec.get("epoch", 0) < epoch and job_alive(run_dir, rec)}
     unreachable = [n for n, rec in live.items() if rec.get("reach") == "remote"]
     for name in unreachable:
         rec = live.pop(name)
@@ -64,17 +64,17 @@ def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
                  ", ".join(f"{n} ({r['job_id']})" for n, r in live.items()))
     t0 = time.time()
     while live and time.time() < deadline:
-        for name in [n for n, rec in live.items() if not _alive(run_dir, rec)]:
+        for name in [n for n, rec in live.items() if not job_alive(run_dir, rec)]:
             log.info("%s (%s) stopped by itself after %.1fs", name, live.pop(name)["job_id"], time.time() - t0)
         time.sleep(0.1)
     for name, rec in live.items():
         log.warning("%s (%s) still running after %.0fs: killing it", name, rec["job_id"], time.time() - t0)
-        _kill(rec)
+        kill_job(rec)
     for name, rec in live.items():
         end = time.time() + 30
-        while _alive(run_dir, rec) and time.time() < end:
+        while job_alive(run_dir, rec) and time.time() < end:
             time.sleep(0.1)
-        if _alive(run_dir, rec):
+        if job_alive(run_dir, rec):
             log.error("%s (%s) survived a kill; it is fenced and cannot change the run", name, rec["job_id"])
             unreachable.append(name)
     return not unreachable
@@ -96,18 +96,19 @@ def clean_temporaries(run_dir: Path) -> dict[str, int]:
     return counts
 
 
-def _registry(run_dir: Path) -> dict[str, dict]:
+def registry(run_dir: Path) -> dict[str, dict]:
+    """``jobs/registry.json``: component -> the job its latest owner started ({} if none)."""
     try:
         return json.loads((run_dir / "jobs" / "registry.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
 
-def _alive(run_dir: Path, rec: dict) -> bool:
+def job_alive(run_dir: Path, rec: dict) -> bool:
     """Whether the job may still run; marks ``rec["reach"]`` = "local" | "slurm" | "remote"."""
     if rec.get("scheduler") == "slurm":
         rec["reach"] = "slurm"
-        return _slurm_state(str(rec["job_id"])) in _SLURM_LIVE
+        return slurm_state(str(rec["job_id"])) in _SLURM_LIVE
     pid = int(rec["job_id"])
     if rec.get("host", socket.gethostname()) != socket.gethostname():
         rec["reach"] = "remote"
@@ -123,7 +124,8 @@ def _alive(run_dir: Path, rec: dict) -> bool:
     return state != "Z" and str(run_dir) in cmdline  # a reused pid runs something else
 
 
-def _kill(rec: dict) -> None:
+def kill_job(rec: dict) -> None:
+    """SIGKILL a recorded job (after ``job_alive`` marked how it is reached): its process group, or scancel."""
     if rec.get("reach") == "slurm":
         job = str(rec["job_id"])
         subprocess.run(["scontrol", "update", f"JobId={job}", "Requeue=0"], capture_output=True, timeout=60)
@@ -139,7 +141,7 @@ def _kill(rec: dict) -> None:
             pass
 
 
-def _slurm_state(job_id: str) -> str:
+def slurm_state(job_id: str) -> str:
     from hpcrl.launch.slurm import read_states  # submitit only where Slurm is used
 
     return read_states([job_id]).get(job_id, ("UNKNOWN", ""))[0]

@@ -29,7 +29,7 @@ from hpcrl.watchdog.config import WatchdogConfig
 
 @dataclass
 class Decision:
-    action: Literal["ok", "restart", "fail", "stop"]  # stop: the whole run stops for preemption/walltime
+    action: Literal["ok", "restart", "fail", "stop"]  # stop: the whole run stops (preemption, walltime, cancel)
     reason: str = ""
     delay_s: float = 0.0
     hung: bool = False  # the process may still be alive: cancel it before resubmitting
