@@ -3,6 +3,9 @@
 ``python -m hpcrl.submit --resume <run_dir>`` continues a stopped or crashed
 run with its frozen config: preparation is skipped when done, the trainer
 resumes from its newest valid checkpoint and the rollouts from the ledger.
+The target may also be that checkpoint's directory, and overrides may change
+how long and where the run goes on, never what it trains
+(:mod:`hpcrl.launch.resume`).
 On SIGUSR2/SIGTERM (walltime or preemption of the job it runs in) every
 component checkpoints and stops; inside a requeueable Slurm job the job is
 requeued (``sbatch/run_async_ppo.sh`` then resumes), and the exit code is 75.
@@ -45,12 +48,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl import atomic
-from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
+from hpcrl.config import ConfigError, RunConfig, load_config, save
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
 from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
-from hpcrl.launch.control import CANCEL, EXIT_CANCELLED, cancel_requested
+from hpcrl.launch.control import CANCEL, EXIT_CANCELLED
+from hpcrl.launch.resume import open_resumed
 from hpcrl.launch.supervisor import RunCancelled, RunPreempted, RunTakenOver, supervise
 from hpcrl.runtime.owner import EXIT_FENCED
 from hpcrl.metrics.writer import read_metrics
@@ -92,22 +96,6 @@ def record_failed_start(run_dir: Path, error: str) -> None:
     log.error("nothing was admitted or trained; rerunning with the config fixed reuses %s", run_dir)
 
 
-def open_resumed(run_dir: Path, overrides: list[str]) -> RunConfig:
-    """The frozen config of an existing run; the trainer resumes from its newest valid checkpoint by itself."""
-    if overrides:
-        raise ConfigError("--resume continues a run with its frozen config.yaml; overrides are not allowed")
-    run_dir = run_dir.expanduser().resolve()
-    cfg = load_saved(run_dir)
-    if (run_dir / "DONE").exists():
-        raise ConfigError(f"run_dir: {run_dir} has finished (DONE is there); nothing to resume")
-    request = cancel_requested(run_dir)
-    if request is not None:
-        log.info("the run was cancelled by %s at %s; resuming it", request.get("user", "?"),
-                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(request.get("time", 0))))
-        (run_dir / CANCEL).unlink(missing_ok=True)
-    return replace(cfg, run_dir=str(run_dir))
-
-
 def summarize(run_dir: Path, started: float) -> dict:
     records = read_metrics(run_dir / "logs" / "metrics.jsonl")
     evals = [r for r in records if r.get("eval/accuracy") is not None]
@@ -146,7 +134,9 @@ def report(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.submit", description="Start an hpcrl run.")
     parser.add_argument("--config", type=Path, help="YAML config (see configs/)")
-    parser.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped or crashed run")
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CKPT_DIR",
+                        help="continue a stopped, cancelled or crashed run (overrides: only trainer.total_steps, "
+                             "rollout.replicas, launch.*, watchdog.*, eval.*)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
     args = parser.parse_args(argv)
     setup_logging("submit")

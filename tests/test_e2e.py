@@ -167,14 +167,28 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     else:
         assert proc.returncode == 130
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    bad = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run), "trainer.lr=1"],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "overrides are not allowed" in bad.stderr
-    done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
+
+    def resume(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", *args], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=ROOT)
+
+    bad = resume(str(run), "trainer.lr=1", "eval.every_steps=0")
+    assert bad.returncode == 2 and "--resume cannot change trainer.lr:" in bad.stderr, bad.stderr[-2000:]
+    ckpts = sorted((run / "ckpt").glob("step_*"))
+    if sig == signal.SIGUSR2:  # resume from the checkpoint directory itself, and train longer than planned
+        assert ckpts[-1].name == f"step_{stopped_at:06d}"
+        done = resume(str(ckpts[-1]), f"trainer.total_steps={steps + 20}")
+        steps += 20
+    else:
+        older = resume(str(ckpts[0]))  # an older checkpoint than the newest: its later training would be lost
+        assert older.returncode == 2 and f"not the newest valid checkpoint ({ckpts[-1].name})" in older.stderr
+        done = resume(str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = [ln for ln in (run / "logs" / "trainer-r0.log").read_text().splitlines() if "resumed from" in ln]
     assert resumed and (sig != signal.SIGUSR2 or f"step_{stopped_at:06d}" in resumed[0]), resumed
+    events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
+    assert [e.get("overrides") for e in events if e["action"] == "resume"] == \
+        [[f"trainer.total_steps={steps}"] if sig == signal.SIGUSR2 else []]
     rep = audit(run)
     assert rep.ok and rep.steps == steps and rep.unfinished == 0, rep.violations
 
