@@ -54,6 +54,7 @@ from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_re
 from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
 from hpcrl.launch.control import CANCEL, EXIT_CANCELLED
+from hpcrl.launch.dry_run import dry_run
 from hpcrl.launch.resume import open_resumed
 from hpcrl.launch.supervisor import RunCancelled, RunPreempted, RunTakenOver, supervise
 from hpcrl.runtime.owner import EXIT_FENCED
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CKPT_DIR",
                         help="continue a stopped, cancelled or crashed run (overrides: only trainer.total_steps, "
                              "rollout.replicas, launch.*, watchdog.*, eval.*)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config, model, data and (Slurm) each job with sbatch --test-only; print what "
+                             "would be submitted; create and submit nothing")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
     args = parser.parse_args(argv)
     setup_logging("submit")
@@ -147,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     preempt = PreemptionFlag()  # before anything slow: Slurm may signal a short job within seconds
     try:
+        if args.dry_run:
+            if args.resume:
+                raise ConfigError("--dry-run checks a new run (--config); a resumed run was checked when it started")
+            return 0 if dry_run(load_config(args.config, args.overrides)) else 1
         cfg = open_resumed(args.resume, args.overrides) if args.resume else \
             create_run_dir(load_config(args.config, args.overrides))
     except ConfigError as e:

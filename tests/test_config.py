@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hpcrl.config import ConfigError, RunConfig, from_dict, load_config, save, to_dict
@@ -112,3 +117,29 @@ def test_loading_a_config_imports_no_torch() -> None:
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_dry_run_checks_model_and_data_and_creates_nothing(tmp_path) -> None:
+    """``--dry-run`` prints each component's request and fails on a missing model or dataset, before anything
+    exists: no run directory, no dataset, no model."""
+    root = Path(__file__).resolve().parents[1]
+
+    def dry(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(root / "configs/quickstart.yaml"),
+                               f"run_dir={tmp_path}/run", f"model.cache_dir={tmp_path}/models",
+                               f"data.synthetic_dir={tmp_path}/data", *overrides, "--dry-run"],
+                              capture_output=True, text=True, timeout=120, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+
+    ok = dry("rollout.replicas=2")
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
+    lines = ok.stdout.splitlines()
+    assert [ln.split()[1] for ln in lines if ln.startswith("[ok]")] == ["model:", "data:", "trainer-r0", "rollout-0",
+                                                                         "rollout-1"]
+    assert any("-m hpcrl.rollout --run-dir" in ln and "--replica 1" in ln for ln in lines), lines
+    bad = dry("model.tiny=false", f"model.path={tmp_path}/nomodel", "data.synthetic=none",
+              f"data.train_path={tmp_path}/train.jsonl")
+    assert bad.returncode == 1, bad.stdout
+    assert f"[FAIL] model: model.path: {tmp_path}/nomodel is not a directory" in bad.stdout
+    assert f"[FAIL] data: data.train_path: {tmp_path}/train.jsonl does not exist" in bad.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created

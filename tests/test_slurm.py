@@ -6,8 +6,9 @@ through ``python -m hpcrl.submit ... launch.scheduler=slurm`` with the trainer
 ``sbatch sbatch/run_async_ppo.sh`` with trainer and rollout in separate het
 groups; a second rollout job added mid-run contributes trajectories with the
 staleness bound holding; bad input (missing partition, impossible
-resources, an sbatch rejection) fails with the component and Slurm's
-message, leaving nothing running.
+resources, an sbatch rejection) is found by ``--dry-run`` before anything is
+queued, and fails a real submission with the component and Slurm's message,
+leaving nothing running.
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def test_a_second_rollout_job_added_mid_run_contributes_within_the_staleness_bou
 def test_bad_input_names_component_and_slurm_message_and_leaves_nothing_running(
         tmp_path, cache, override, component, slurm_says) -> None:
     run = tmp_path / "run"
+    # --dry-run finds it before anything is queued: sbatch --test-only of each component's script
+    dry = subprocess.run([*submit_cmd(run, cache, "trainer.total_steps=50", override), "--dry-run"],
+                         capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
+    assert dry.returncode == 1 and not run.exists(), dry.stdout[-3000:] + dry.stderr[-2000:]
+    verdicts = {ln.split()[1]: ln for ln in dry.stdout.splitlines() if ln.startswith(("[ok]", "[FAIL]"))}
+    assert verdicts[component].startswith("[FAIL]") and slurm_says in verdicts[component].lower(), dry.stdout
+    assert "to start at" in verdicts["trainer"] and verdicts["trainer"].startswith("[ok]"), dry.stdout
     proc = subprocess.run(submit_cmd(run, cache, "trainer.total_steps=50", override),
                           capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-3000:]

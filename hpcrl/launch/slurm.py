@@ -227,6 +227,10 @@ class SrunScheduler(LocalScheduler):
         self.het_groups = het_groups or {"trainer": 0, "rollout": 1}
 
     def submit(self, spec: ComponentSpec) -> str:
+        return super().submit(self.command(spec))
+
+    def command(self, spec: ComponentSpec) -> ComponentSpec:
+        """``spec`` as the local ``srun`` process that runs it as a step of this allocation."""
         res = spec.resources or ResourcesConfig()
         kind = spec.name.split("-")[0]
         srun = ["srun", f"--job-name=hpcrl-{spec.name}", f"--ntasks={spec.tasks}", "--exact",
@@ -236,8 +240,8 @@ class SrunScheduler(LocalScheduler):
             srun.insert(1, f"--het-group={self.het_groups[kind]}")
         if res.gpus_per_node:
             srun.append(f"--gpus-per-node={res.gpus_per_node}")
-        return super().submit(ComponentSpec(spec.name, [*srun, *container_args(res), *spec.argv],
-                                            spec.log_path.with_name(f"{spec.name}.srun.log"), spec.env))
+        return ComponentSpec(spec.name, [*srun, *container_args(res), *spec.argv],
+                             spec.log_path.with_name(f"{spec.name}.srun.log"), spec.env)
 
 
 def add_rollout(run_dir: Path, replica: int) -> str:

@@ -1,0 +1,111 @@
+"""``python -m hpcrl.submit --config X.yaml [key=value ...] --dry-run``: check a run before it waits in a queue.
+
+Creates nothing (no run directory, no dataset, no model, no job). In order:
+
+1. the config was loaded and validated by the caller (a bad key exits 2);
+2. the model: a local HuggingFace folder must exist with its ``config.json``
+   and a tokenizer that loads (a tiny model to be built is reported as such);
+3. the data: ``data.train_path`` / ``data.eval_path`` must exist and parse
+   into rows (synthetic tasks are generated at the start, reported as such);
+4. the components: for each, the request the scheduler would get is printed
+   (the local command line; the ``srun`` command inside an allocation; the
+   sbatch script submitit would write), and under ``launch.scheduler=slurm``
+   each script is checked with ``sbatch --test-only``, which reports where
+   and when Slurm would start it, or why it refuses (partition, account,
+   QOS, resources).
+
+:func:`dry_run` prints one line per check and returns True when all passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from hpcrl.config import RunConfig
+from hpcrl.launch.scheduler import ComponentSpec
+from hpcrl.launch.supervisor import component_specs
+
+log = logging.getLogger(__name__)
+
+
+def check_model(cfg: RunConfig) -> tuple[bool, str]:
+    path = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    if cfg.model.tiny and (path is None or not (path / "config.json").exists()):
+        return True, f"a tiny Qwen3 model is built at the start ({path or cfg.model.cache_dir})"
+    if path is None or not path.is_dir():
+        return False, f"model.path: {path} is not a directory"
+    if not (path / "config.json").exists():
+        return False, f"model.path: {path} has no config.json (not a HuggingFace model folder)"
+    from hpcrl.model.hf_io import load_tokenizer  # transformers: only when there is a model to look at
+
+    try:
+        tok = load_tokenizer(path)
+    except Exception as e:  # whatever the tokenizer files hold, the user must hear it before queueing
+        return False, f"model.path: the tokenizer in {path} does not load: {type(e).__name__}: {e}"
+    return True, f"model {path} (tokenizer: {len(tok)} tokens)"
+
+
+def check_data(cfg: RunConfig) -> tuple[bool, str]:
+    d = cfg.data
+    if d.synthetic != "none":
+        return True, f"synthetic {d.synthetic} task ({d.n_train} train, {d.n_eval} eval rows) generated at the start"
+    from hpcrl.data.rows import load_rows
+
+    counts = []
+    for key, value in (("train_path", d.train_path), ("eval_path", d.eval_path or d.train_path)):
+        path = Path(value).expanduser()
+        if not path.exists():
+            return False, f"data.{key}: {path} does not exist"
+        try:
+            rows = load_rows(path, prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+        except (ValueError, KeyError, OSError) as e:
+            return False, f"data.{key}: {path}: {e}"
+        counts.append(f"{key} {path} ({len(rows)} rows)")
+    return True, "; ".join(counts)
+
+
+def request(cfg: RunConfig, spec: ComponentSpec, run_dir: Path, scratch: Path) -> tuple[bool, str]:
+    """What the scheduler would be asked for ``spec``, and (Slurm) whether it would take it (the script to test
+    is written to ``scratch``)."""
+    if cfg.launch.scheduler == "local":
+        env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
+        return True, f"{env} {' '.join(spec.argv)}".strip()
+    if cfg.launch.scheduler == "srun":
+        from hpcrl.launch.slurm import SrunScheduler
+
+        return True, " ".join(SrunScheduler().command(spec).argv)
+    from hpcrl.launch.scheduler import SubmitRejected
+    from hpcrl.launch.slurm import render_sbatch
+
+    try:
+        script = render_sbatch(spec, run_dir / "logs" / "slurm")
+    except SubmitRejected as e:
+        return False, str(e)
+    path = scratch / f"{spec.name}.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True, timeout=60)
+    said = " ".join((proc.stderr + proc.stdout).split())
+    return proc.returncode == 0, f"sbatch --test-only: {said}\n{script}"
+
+
+def dry_run(cfg: RunConfig) -> bool:
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-<time>").expanduser().resolve()
+    print(f"dry run of {cfg.name}: nothing is created or submitted; the run directory would be {run_dir}")
+    ok = True
+    for what, (passed, text) in (("model", check_model(cfg)), ("data", check_data(cfg))):
+        print(f"[{'ok' if passed else 'FAIL'}] {what}: {text}")
+        ok &= passed
+    with tempfile.TemporaryDirectory(prefix="hpcrl-dry-run-") as tmp:
+        for spec in component_specs(replace(cfg, run_dir=str(run_dir)), run_dir):
+            try:
+                passed, text = request(cfg, spec, run_dir, Path(tmp))
+            except (OSError, subprocess.SubprocessError) as e:
+                passed, text = False, f"{type(e).__name__}: {e}"
+            print(f"[{'ok' if passed else 'FAIL'}] {spec.name} ({cfg.launch.scheduler}): {text}")
+            ok &= passed
+    print("dry run passed" if ok else "dry run FAILED: fix the lines marked FAIL")
+    return ok
