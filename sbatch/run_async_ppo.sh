@@ -24,8 +24,12 @@
 #   HPCRL_CONFIG     config YAML (default configs/quickstart.yaml)
 #   HPCRL_RUN_DIR    run directory (default runs/hpcrl-<jobid>)
 #   HPCRL_OVERRIDES  more key=value overrides, space separated
-#   HPCRL_PYTHON     the Python with hpcrl installed (default: python3 on PATH)
+#   HPCRL_PYTHON     the Python with hpcrl installed (default: .venv/bin/python in the
+#                    submit directory if there is one, else python3 on PATH)
 # For a site's partition/account/GPUs, copy sbatch/template_site.sh.
+# scripts/submit_sbatch.sh checks the config, model, data and this job's resources
+# before queueing it, finds the Python, and puts Slurm's output in the run directory;
+# submitted directly, Slurm's output goes to hpcrl-<jobid>.out in the submit directory.
 #
 # --- het group 0: trainer ---
 #SBATCH --job-name=hpcrl
@@ -53,11 +57,21 @@ exec >>"$RUN_DIR/logs/batch-${SLURM_JOB_ID}.log" 2>&1
 echo "[batch] job ${SLURM_JOB_ID} on $(hostname): het groups ${SLURM_HET_SIZE:-1}, run dir $RUN_DIR," \
      "restart ${SLURM_RESTART_COUNT:-0}"
 
+PY=${HPCRL_PYTHON:-}
+if [[ -z $PY ]]; then
+    if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if ! "$PY" -c "import hpcrl" 2>/dev/null; then
+    echo "[batch] error: $PY cannot import hpcrl: set HPCRL_PYTHON to the Python where hpcrl is installed" \
+         "(or submit with scripts/submit_sbatch.sh, which finds it before queueing)"
+    exit 2
+fi
+
 # exec: the supervisor is the batch process itself, so --signal=B:USR2 reaches it
 if [[ -f "$RUN_DIR/config.yaml" ]]; then  # requeued after walltime/preemption: continue the run
-    exec "${HPCRL_PYTHON:-python3}" -m hpcrl.submit --resume "$RUN_DIR"
+    exec "$PY" -m hpcrl.submit --resume "$RUN_DIR"
 fi
 # shellcheck disable=SC2086  # HPCRL_OVERRIDES is a space-separated list on purpose
-exec "${HPCRL_PYTHON:-python3}" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \
+exec "$PY" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \
     launch.scheduler=srun "run_dir=$RUN_DIR" trainer.world_size="${SLURM_NTASKS_HET_GROUP_0:-1}" \
     rollout.replicas="${SLURM_NTASKS_HET_GROUP_1:-1}" ${HPCRL_OVERRIDES:-} "$@"

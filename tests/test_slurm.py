@@ -61,15 +61,28 @@ def test_submit_with_slurm_runs_each_component_as_its_own_job(tmp_path, cache) -
 
 
 def test_sbatch_het_job_runs_trainer_and_rollout_in_separate_het_groups(tmp_path, cache) -> None:
+    """Through scripts/submit_sbatch.sh: it finds the checkout's Python by itself, checks the run (dry run,
+    sbatch --test-only), then queues sbatch/run_async_ppo.sh with Slurm's output in the run directory."""
     run = tmp_path / "run"
-    env = {**job_env(), "HPCRL_PYTHON": sys.executable, "HPCRL_RUN_DIR": str(run),
-           "HPCRL_OVERRIDES": " ".join(run_args(run, cache)[1:])}
-    proc = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={tmp_path}/batch-%j.out",
-                           str(ROOT / "sbatch/run_async_ppo.sh"), "trainer.total_steps=6"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    job = proc.stdout.strip().split(";")[0]
+    env = {**job_env(), "HPCRL_RUN_DIR": str(run), "HPCRL_OVERRIDES": " ".join(run_args(run, cache)[1:])}
+    env.pop("HPCRL_PYTHON", None)
+    wrapper = ["bash", str(ROOT / "scripts/submit_sbatch.sh"), "trainer.total_steps=6"]
+    broken = subprocess.run(wrapper, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**env, "HPCRL_PYTHON": "/bin/false"})
+    assert broken.returncode == 2 and "cannot import hpcrl" in broken.stderr, broken.stderr
+    bad = subprocess.run([*wrapper, "model.tiny=false", f"model.path={tmp_path}/nomodel"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env=env)
+    assert bad.returncode == 1 and "[FAIL] model" in bad.stdout and "nothing was queued" in bad.stderr, bad.stderr
+    assert not (run / "logs").exists()
+    proc = subprocess.run(wrapper, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**env, "HPCRL_SBATCH_ARGS": "--wait"})
+    job = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     batch_log = next((run / "logs").glob("batch-*.log"), None)
     assert proc.returncode == 0, (proc.stderr, batch_log and batch_log.read_text()[-4000:])
+    assert "[ok] trainer (srun): srun " in proc.stdout and "to start at" in proc.stderr  # checked before queueing
+    assert (run / "logs" / f"slurm-{job}.out").exists() and (run / "logs" / f"batch-{job}.log").exists()
+    registry = json.loads((run / "jobs" / "registry.json").read_text())
+    assert registry["trainer"]["argv"][0] == f"{ROOT}/.venv/bin/python"  # the Python the wrapper found
     jobs = sacct(job)
     assert jobs[f"{job}+0"][1] == "COMPLETED" and jobs[f"{job}+1"][1] == "COMPLETED"
     steps = {name: (jid, nodes) for jid, (name, _, nodes) in jobs.items() if "." in jid}
