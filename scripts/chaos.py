@@ -9,7 +9,10 @@ events drawn from ``--seed`` (the same seed gives the same schedule, so two
 versions of the code can be compared side by side):
 
 * a kill of a randomly chosen component (trainer or a rollout replica: its
-  whole process group, or ``scancel --signal=KILL --full`` of its Slurm job);
+  whole process group, or, for a Slurm job, SIGKILL of the component's own
+  processes: by pid on this host, else through ``srun --jobid --overlap
+  pkill -KILL``; ``scancel --signal=KILL`` would let Slurm send SIGTERM
+  first, and the trainer would checkpoint);
 * an aimed kill: the loop watches for a checkpoint being written
   (``ckpt/step_*.tmp``), a weight version being published
   (``weights/v*.tmp.*``) or a spool file being written (``spool/tmp/*``) and
@@ -81,14 +84,36 @@ def kill(run_dir: Path, prefix: str) -> str | None:
         return None
     name = random.choice(names)
     entry = registry(run_dir)[name]
-    if entry.get("scheduler", "local") != "local":  # a Slurm job: SIGKILL to every process of it
-        done = subprocess.run(["scancel", "--signal=KILL", "--full", str(entry["job_id"])], capture_output=True)
-        return name if done.returncode == 0 else None
+    if entry.get("scheduler", "local") != "local":  # a Slurm job: SIGKILL the component's processes themselves
+        return name if kill_in_job(run_dir, name, str(entry["job_id"])) else None
     try:
         os.killpg(int(entry["job_id"]), signal.SIGKILL)
     except (ProcessLookupError, PermissionError, ValueError):
         return None
     return name
+
+
+def kill_in_job(run_dir: Path, name: str, job_id: str) -> bool:
+    """SIGKILL the component processes of a Slurm job, so nothing of them can react (``scancel --signal=KILL``
+    does not do that: Slurm sends the steps SIGTERM first, and the trainer checkpoints). On this host (the
+    local cluster) by pid; elsewhere through a step that overlaps the job on each of its nodes."""
+    role = "trainer" if name.startswith("trainer") else name
+    pids = run_processes(run_dir).get(role, [])
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if pids:
+        return True
+    nodes = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%D"], capture_output=True, text=True).stdout.strip()
+    if not nodes.isdigit():
+        return False  # the job is not running
+    module = "hpcrl.trainer" if role == "trainer" else "hpcrl.rollout"
+    pattern = f"-m {module} --run-dir {run_dir}" + ("" if role == "trainer" else f" --replica {role.split('-')[1]}")
+    done = subprocess.run(["srun", f"--jobid={job_id}", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1",
+                           "pkill", "-KILL", "-f", "--", pattern], capture_output=True, timeout=60)
+    return done.returncode == 0
 
 
 def aimed_kill(run_dir: Path, what: str, window_s: float) -> str | None:

@@ -77,6 +77,7 @@ MinJobAge=600
 DefMemPerCPU=1000
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
+AccountingStoreFlags=job_comment
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 NodeName=node1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6821 CPUs=4 RealMemory=8000 State=UNKNOWN

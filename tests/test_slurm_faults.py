@@ -7,6 +7,7 @@ its invariants intact (audit from the run directory)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphaned_jobs(tmp_path) -> None:
-    """Each scancel is followed by a resubmission; ``status`` shows the restarts and the jobs' Slurm states;
+    """Each scancel, and a SIGKILL of the trainer process itself, is followed by a resubmission (sacct shows
+    the killed job FAILED 0:9 with its run and start in the comment); ``status`` shows the restarts and states;
     after a kill -9 of the supervisor, ``cancel`` signals the jobs itself (the trainer checkpoints), and
     ``--resume`` finishes the run from that checkpoint."""
     run, cache = tmp_path / "run", tmp_path / "cache"
@@ -67,10 +69,26 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
                      f"resubmission of {name}")
             step = last_step(run)
             wait_for(lambda: last_step(run) >= step + 10, proc, f"progress after {name} came back")
+        # a hard kill: SIGKILL of the trainer process itself, not through Slurm; it cannot checkpoint
+        old, stops = registry(run)["trainer"]["job_id"], log_lines(run / "logs/trainer-r0.log", "preempted (")
+        os.kill(load_chaos().run_processes(run)["trainer"][0], signal.SIGKILL)
+        wait_for(lambda: registry(run)["trainer"]["job_id"] != old, proc, "resubmission of the killed trainer")
+        step = last_step(run)
+        wait_for(lambda: last_step(run) >= step + 10, proc, "progress after the hard kill")
+        assert log_lines(run / "logs/trainer-r0.log", "preempted (") == stops  # no checkpoint on the way out
+        rows = [ln.split("|") for ln in subprocess.run(
+            ["sacct", "-n", "-P", "-o", "JobID,State,ExitCode,Comment", "-j", old], capture_output=True, text=True,
+            check=True).stdout.splitlines()]
+        jobs = {r[0]: r[1:] for r in rows}
+        # what happened, not COMPLETED 0:0: the job failed, its step was killed by signal 9
+        assert jobs[old][0] == "FAILED" and jobs[f"{old}.0"][1] == "0:9", jobs
+        comment = jobs[old][2]
+        assert comment.startswith(f"hpcrl,run={run},component=trainer,epoch=1,instance=e1n") and \
+            comment.endswith(",start=2"), comment
         st = json.loads(hpcrl_cli("status", str(run), "--json").stdout)
         assert st["state"] == "running" and st["supervisor"]["scheduler"] == "slurm", st
         assert {n: (c["state"], c["restarts"]) for n, c in st["components"].items()} == \
-            {"trainer": ("RUNNING", 1), "rollout-0": ("RUNNING", 1)}, st["components"]
+            {"trainer": ("RUNNING", 2), "rollout-0": ("RUNNING", 1)}, st["components"]
         proc.kill()  # the supervisor only: its Slurm jobs run on
         proc.wait()
         cancelled = hpcrl_cli("cancel", str(run))
@@ -89,8 +107,8 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
     events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
     assert {e["component"] for e in events if e["action"] == "restart"} >= {"rollout-0", "trainer"}
     resumes = [ln for ln in (run / "logs" / "trainer-r0.log").read_text().splitlines() if "resumed from" in ln]
-    # one resubmitted trainer (no second one requeued by Slurm beside it), then the resume after the cancel
-    assert len(resumes) == 2 and f"step_{at:06d}" in resumes[1], resumes
+    # two resubmitted trainers (no other one requeued by Slurm beside them), then the resume after the cancel
+    assert len(resumes) == 3 and f"step_{at:06d}" in resumes[2], resumes
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == 400 and rep.unfinished == 0

@@ -31,6 +31,7 @@ class ComponentSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the parent's environment
     resources: ResourcesConfig | None = None  # what a Slurm job/step for it asks for (slurm and srun schedulers)
     tasks: int = 1  # processes of this component in one job (trainer ranks under Slurm); "{rank}" in log_path
+    comment: str = ""  # Slurm job/step comment (squeue %k, sacct Comment): run, component, owner epoch, start
 
 
 class ComponentFailed(RuntimeError):

@@ -36,6 +36,7 @@ tickets are reclaimed like any dead rollout's.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -112,6 +113,8 @@ class SlurmScheduler:
             options = sbatch_options(spec.resources or ResourcesConfig(), spec.tasks)
         except ValueError as e:
             raise SubmitRejected(spec.name, f"launch.{spec.name.split('-')[0]}.{e}") from None
+        if spec.comment:
+            options["comment"] = spec.comment
         executor.update_parameters(job_name=f"hpcrl-{spec.name}", **options)
         return executor
 
@@ -119,7 +122,7 @@ class SlurmScheduler:
         executor = self.executor(spec)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            job = executor.submit(RunCommand(spec.argv, spec.env, str(spec.log_path)))
+            job = executor.submit(RunCommand(spec.argv, spec.env, str(spec.log_path), str(self.folder / "%j")))
         except submitit.core.utils.FailedJobError as e:
             raise SubmitRejected(spec.name, _slurm_message(str(e))) from None
         self._jobs[job.job_id] = (job, spec)
@@ -140,6 +143,12 @@ class SlurmScheduler:
         return code
 
     def _code(self, job: submitit.Job, spec: ComponentSpec, state: str, reason: str) -> int | None:
+        failed = sorted(job.paths.folder.glob("exit.*.json")) if state not in ("PENDING", "RUNNING") else []
+        if failed:  # a task whose component failed wrote its code, then ended the same way (slurm_job)
+            code = int(json.loads(failed[0].read_text())["code"])
+            append_note(spec.log_path, f"Slurm job {job.job_id} ({state}): the component "
+                                       f"{'was killed by signal %d' % -code if code < 0 else 'exited %d' % code}")
+            return code
         if state == "PENDING" and reason in HOPELESS_REASONS:
             append_note(spec.log_path, f"Slurm job {job.job_id} can never start (pending, reason {reason}); "
                                        "cancelling it")
@@ -233,7 +242,8 @@ class SrunScheduler(LocalScheduler):
         """``spec`` as the local ``srun`` process that runs it as a step of this allocation."""
         res = spec.resources or ResourcesConfig()
         kind = spec.name.split("-")[0]
-        srun = ["srun", f"--job-name=hpcrl-{spec.name}", f"--ntasks={spec.tasks}", "--exact",
+        srun = ["srun", f"--job-name=hpcrl-{spec.name}", *([f"--comment={spec.comment}"] if spec.comment else []),
+                f"--ntasks={spec.tasks}", "--exact",
                 f"--cpus-per-task={res.cpus_per_task}", "--kill-on-bad-exit=1", "--unbuffered",
                 f"--output={str(spec.log_path).replace('{rank}', '%t')}", "--open-mode=append"]
         if kind in self.het_groups and os.environ.get("SLURM_HET_SIZE"):

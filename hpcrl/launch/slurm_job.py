@@ -4,8 +4,15 @@ Kept free of heavy imports: submitit unpickles :class:`RunCommand` in every
 task of the job before anything else. Each task appends its output to the
 component's log (``{rank}`` in the path becomes ``SLURM_PROCID``), forwards
 SIGTERM/SIGINT/SIGUSR2 to the component (submitit itself ignores SIGTERM),
-and returns the component's exit code as the job's result (a negative code
-is a signal).
+and hands the component's exit code to the supervisor:
+
+- 0 (done) and 75 (stopped to be restarted, e.g. at its walltime) are the
+  job's result (submitit's result file); the job ends COMPLETED 0:0;
+- any other code is written to ``exit.<task>.json`` in the job's submitit
+  folder, and the task then ends the way the component did, so ``sacct``
+  tells the truth: killed by signal N, the task kills itself with N (the
+  job ends FAILED, exit code ``0:N``); exit code C, it exits C (FAILED
+  ``C:0``). The scheduler reads the file (``SlurmScheduler.poll``).
 """
 
 from __future__ import annotations
@@ -14,14 +21,21 @@ import os
 import signal
 import subprocess
 import time
+import json
 from pathlib import Path
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+RESULTS = (0, 75)  # codes that end the job COMPLETED: done, and stopped on purpose to be restarted
+
+
+def exit_file(folder: str | Path, task: str | int) -> Path:
+    return Path(folder) / f"exit.{task}.json"
 
 
 class RunCommand:
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
-        self.argv, self.env, self.log_path = list(argv), dict(env), log_path
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: str, folder: str = "") -> None:
+        # folder: the job's submitit folder ("%j" = the job id), where a failing code is written
+        self.argv, self.env, self.log_path, self.folder = list(argv), dict(env), log_path, folder
 
     def __call__(self) -> int:
         rank = os.environ.get("SLURM_PROCID", "0")
@@ -32,10 +46,28 @@ class RunCommand:
                                     env={**os.environ, **self.env})
         previous = {s: signal.signal(s, lambda sig, _f: proc.send_signal(sig)) for s in FORWARDED}
         try:
-            return proc.wait()
+            code = proc.wait()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if code in RESULTS or not self.folder:
+            return code
+        folder = self.folder.replace("%j", os.environ.get("SLURM_JOB_ID", "%j"))
+        exit_file(folder, rank).write_text(json.dumps({"code": code, "time": time.time()}))
+        end_like(code)
+        return code  # not reached
+
+
+def end_like(code: int) -> None:
+    """End this process the way the component ended: by the same signal, or with the same exit code."""
+    if code < 0:
+        sig = signal.Signals(-code)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # a signal whose default action does not end a process: exit with its number instead
+        os._exit(128 - code)
+    os._exit(code)
 
 
 def append_note(log_path: str | Path, text: str) -> None:

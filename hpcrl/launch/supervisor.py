@@ -182,10 +182,15 @@ def supervise(cfg: RunConfig, run_dir: Path, scheduler: Scheduler | None = None,
 
 
 def _stamp(spec: ComponentSpec, owner: Owner) -> ComponentSpec:
-    """Give a spec its owner epoch and a fresh instance id (the writer id and heartbeat of the process)."""
+    """Give a spec its owner epoch, a fresh instance id (the writer id and heartbeat of the process) and the
+    comment its Slurm job carries."""
     owner.submissions += 1
+    owner.starts[spec.name] = owner.starts.get(spec.name, 0) + 1
     spec.env[ENV_EPOCH] = str(owner.epoch)
     spec.env[ENV_INSTANCE] = f"e{owner.epoch}n{owner.submissions}"
+    # what sacct/squeue users see beside the job name: which run, which start of the component
+    spec.comment = "".join(f"hpcrl,run={owner.run_dir.resolve()},component={spec.name},epoch={owner.epoch},"
+                           f"instance={spec.env[ENV_INSTANCE]},start={owner.starts[spec.name]}".split())
     return spec
 
 

@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class Owner:
     run_dir: Path
     epoch: int
     submissions: int = 0  # components started so far (numbers their instance ids)
+    starts: dict[str, int] = field(default_factory=dict)  # component -> times this owner started it
     _beat_at: float = 0.0
 
     @property
