@@ -76,6 +76,7 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
         step = last_step(run)
         wait_for(lambda: last_step(run) >= step + 10, proc, "progress after the hard kill")
         assert log_lines(run / "logs/trainer-r0.log", "preempted (") == stops  # no checkpoint on the way out
+        wait_not_active([old])  # slurmdbd may lag behind the supervisor, which waited for squeue
         rows = [ln.split("|") for ln in subprocess.run(
             ["sacct", "-n", "-P", "-o", "JobID,State,ExitCode,Comment", "-j", old], capture_output=True, text=True,
             check=True).stdout.splitlines()]

@@ -71,3 +71,41 @@ def test_bad_resources_config_names_the_key(override: str, message: str) -> None
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+class FakeJob:
+    """What ``SlurmScheduler._code`` reads of a submitit job: its id and its files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.job_id = "77"
+        self.paths = type("Paths", (), {"folder": folder, "result_pickle": folder / "77_0_result.pkl",
+                                        "stdout": folder / "77_0_log.out"})()
+
+    def results(self) -> list[int]:
+        import pickle
+
+        return [pickle.loads(self.paths.result_pickle.read_bytes())[1]]
+
+
+def test_a_cancelled_job_is_classified_by_what_its_component_did_not_by_when_the_state_was_read(
+        tmp_path, monkeypatch) -> None:
+    """Slurm sets CANCELLED at once and signals the processes afterwards: read then, the job used to count as a
+    failure (exit 1) although its trainer went on to checkpoint and exit 75 (a free restart)."""
+    import pickle
+
+    from hpcrl.launch import slurm
+
+    job, spec = FakeJob(tmp_path), specs()["rollout_default"]
+    spec.log_path = tmp_path / "rollout-0.log"
+    scheduler = SlurmScheduler(tmp_path)
+    listed = {"77": True}
+    monkeypatch.setattr(slurm, "still_listed", lambda job_id: listed[job_id])
+    assert scheduler._code(job, spec, "CANCELLED", "") is None  # still stopping: undecided
+    job.paths.result_pickle.write_bytes(pickle.dumps(("success", 75)))  # it checkpointed and exited 75
+    listed["77"] = False
+    assert scheduler._code(job, spec, "CANCELLED", "") == 75
+    job.paths.result_pickle.unlink()  # killed before it could: a failure
+    assert scheduler._code(job, spec, "CANCELLED", "") == 1
+    assert "ended in state CANCELLED" in spec.log_path.read_text()
+    (tmp_path / "exit.0.json").write_text('{"code": -9}')  # killed inside the job: the wrapper wrote the signal
+    assert scheduler._code(job, spec, "FAILED", "") == -9

@@ -15,11 +15,16 @@ rejection raises :class:`SubmitRejected` naming the component and Slurm's
 message) -> ``poll`` returns None while it pends or runs; the states of all
 jobs are read with one ``sacct`` call at most every
 ``launch.slurm_state_interval_s`` -> a COMPLETED job's exit code is its
-result; a job that ends otherwise (FAILED, CANCELLED, TIMEOUT, OUT_OF_MEMORY,
-NODE_FAIL, ...) or pends for a reason that never resolves (bad constraint,
-partition limits) returns a non-zero code, after a line stating the Slurm
-state is appended to the component's log (so the supervisor's error shows
-it) -> ``cancel`` is ``scancel``.
+result, and a component that failed inside its job wrote its code there
+(:mod:`hpcrl.launch.slurm_job`); a job that ends otherwise (FAILED,
+CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, ...) is decided only once
+``squeue`` no longer lists it (Slurm sets CANCELLED at once, then signals
+the processes: a component that checkpoints and exits 75 in time is a
+restart, not a failure, whenever the state was read), and without a code of
+its own returns 1; so does a job that pends for a reason that never
+resolves (bad constraint, partition limits). Either way a line stating the
+Slurm state is appended to the component's log (so the supervisor's error
+shows it) -> ``cancel`` is ``scancel``.
 
 :class:`SrunScheduler` (``launch.scheduler=srun``) is for the whole run in one
 heterogeneous allocation (``sbatch/run_async_ppo.sh``): each component is a
@@ -162,6 +167,12 @@ class SlurmScheduler:
                 return 1
             return next((c for c in codes if c != 0), 0)
         if state in ENDED_BADLY:
+            if still_listed(job.job_id):
+                # cancelled or preempted, but its processes are still stopping (Slurm sets the state at once, then
+                # signals them): the component may yet checkpoint and exit 75, so wait for the end to decide
+                return None
+            if job.paths.result_pickle.exists():  # it stopped by itself in time: its own code decides
+                return self._code(job, spec, "COMPLETED", reason)
             append_note(spec.log_path, f"Slurm job {job.job_id} ended in state {state}"
                                        f"{' (' + reason + ')' if reason and reason != 'None' else ''}; "
                                        f"submitit log: {job.paths.stdout}")
@@ -184,6 +195,15 @@ class SlurmScheduler:
         while (code := self.poll(job_id)) is None and time.time() < deadline:
             time.sleep(0.5)
         return code
+
+
+def still_listed(job_id: str) -> bool:
+    """Whether ``squeue`` still lists the job (e.g. COMPLETING: its processes have not all ended)."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0 and bool(proc.stdout.strip())
 
 
 def signal_job(job_id: str, sig: int = signal.SIGTERM) -> None:
