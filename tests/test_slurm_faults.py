@@ -99,7 +99,9 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
             proc.kill()
     at = last_step(run)
     assert (run / "ckpt" / f"step_{at:06d}").is_dir()
-    assert f"preempted (signal {int(signal.SIGUSR2)} after step" in (run / "logs/trainer-r0.log").read_text()
+    # the cancel's SIGUSR2 made it checkpoint and stop (after a step, or while it waited for a batch)
+    assert len(log_lines(run / "logs/trainer-r0.log", "preempted (")) == len(stops) + 1
+    assert log_lines(run / "logs/trainer-r0.log", "received SIGUSR2")
     assert "RUNNING" not in wait_not_active([r["job_id"] for r in registry(run).values()]).values()
     assert json.loads(hpcrl_cli("status", str(run), "--json").stdout)["state"] == "cancelled"
     done = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", str(run)], capture_output=True,
