@@ -261,20 +261,7 @@ def cancel(run_dir: Path, timeout_s: float | None = None) -> bool:
             return False
     live = _live_jobs(run_dir)
     if live:
-        log.info("no supervisor runs: asking %s to checkpoint and stop", ", ".join(live))
-        for rec in live.values():
-            _signal(rec, signal.SIGUSR2)
-        stop = min(deadline, time.time() + grace)
-        while live and time.time() < stop:
-            for name in [n for n, r in live.items() if not job_alive(run_dir, r)]:
-                log.info("%s (%s) stopped", name, live.pop(name)["job_id"])
-            time.sleep(0.2)
-        for name, rec in live.items():
-            log.warning("%s (%s) did not stop within %.0fs: killing it", name, rec["job_id"], time.time() - t0)
-            kill_job(rec)
-        end = time.time() + 30
-        while any(job_alive(run_dir, r) for r in live.values()) and time.time() < end:
-            time.sleep(0.2)
+        _stop_orphans(run_dir, live, min(deadline, time.time() + grace))
     left = [f"{n} ({r['job_id']}, {r.get('reach')})" for n, r in _live_jobs(run_dir).items()]
     if left:
         log.error("still running: %s (a process on another host stops when its owner stays silent for "
@@ -282,6 +269,24 @@ def cancel(run_dir: Path, timeout_s: float | None = None) -> bool:
         return False
     log.info("cancelled; nothing of %s runs. Continue with: python -m hpcrl.submit --resume %s", run_dir, run_dir)
     return True
+
+
+def _stop_orphans(run_dir: Path, live: dict[str, dict], stop_at: float) -> None:
+    """No supervisor runs: SIGUSR2 every live job (checkpoint and stop), wait until ``stop_at``, kill the rest."""
+    log.info("no supervisor runs: asking %s to checkpoint and stop", ", ".join(live))
+    for rec in live.values():
+        _signal(rec, signal.SIGUSR2)
+    t0 = time.time()
+    while live and time.time() < stop_at:
+        for name in [n for n, r in live.items() if not job_alive(run_dir, r)]:
+            log.info("%s (%s) stopped", name, live.pop(name)["job_id"])
+        time.sleep(0.2)
+    for name, rec in live.items():
+        log.warning("%s (%s) did not stop within %.0fs: killing it", name, rec["job_id"], time.time() - t0)
+        kill_job(rec)
+    end = time.time() + 30
+    while any(job_alive(run_dir, r) for r in live.values()) and time.time() < end:
+        time.sleep(0.2)
 
 
 def _live_jobs(run_dir: Path) -> dict[str, dict]:
