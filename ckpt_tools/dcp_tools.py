@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
+from hpcrl.ckpt.export import to_hf  # noqa: F401  (python -m ckpt_tools to-hf)
 
 
 def is_dcp(path: Path) -> bool:
@@ -48,18 +47,6 @@ def resolve(path: Path) -> Path:
         if found:
             return found[1]
     raise SystemExit(f"error: no valid checkpoint at {path}")
-
-
-def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
-    """Write a HuggingFace folder with the checkpoint's model weights (config/tokenizer from ``base_model``)."""
-    from hpcrl.model.hf_io import load_model, load_tokenizer, save_model
-
-    model = load_model(base_model)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    with torch.no_grad():
-        model.load_state_dict(state["model"])
-    return save_model(model, load_tokenizer(base_model), out)
 
 
 def base_model_of(ckpt: Path) -> Path:

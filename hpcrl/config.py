@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpcrl import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.ckpt.config import CheckpointConfig
+from hpcrl.ckpt.config import CheckpointConfig, InitConfig
 from hpcrl.data.config import DataConfig
 from hpcrl.eval.config import EvalConfig
 from hpcrl.launch.config import LaunchConfig
@@ -50,6 +50,7 @@ class RunConfig:
     name: str = "run"  # experiment name (used in the default run_dir and logs)
     seed: int = 0  # global seed: data order, sampling, init
     model: ModelConfig = field(default_factory=ModelConfig)
+    init: InitConfig = field(default_factory=InitConfig)  # start from another run's checkpoint (--from)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

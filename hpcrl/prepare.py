@@ -2,7 +2,9 @@
 
 Order: datasets (synthetic ones are generated into a cache and reused) ->
 base model (a tiny model is built if asked and missing) -> dataset rows are
-checked against the tokenizer -> SFT warm start (cached by content hash) ->
+checked against the tokenizer -> SFT warm start (cached by content hash), or
+the start from another run's checkpoint (``init.checkpoint``,
+:mod:`hpcrl.init_from`) ->
 ``<run_dir>/prepared.json`` records the resolved paths every component reads
 (:func:`load_prepared`). Everything here fails with a clear message before a
 single component is launched.
@@ -38,6 +40,7 @@ class Prepared:
     sft_accuracy: float | None = None  # greedy accuracy the warm start stopped at (its own eval subset)
     sft_steps: int = 0
     sft_cached: bool = False
+    init_from: dict | None = None  # started from another run's checkpoint: which, what was restored (--from)
 
 
 def load_prepared(run_dir: str | Path) -> Prepared:
@@ -100,7 +103,14 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:
     train_rows, eval_rows = load_datasets(cfg, tokenizer, train_path, eval_path)
     log.info("data: %d train rows (%s), %d eval rows (%s)", len(train_rows), train_path, len(eval_rows), eval_path)
     prepared = Prepared(init_model=str(base), base_model=str(base), train_path=str(train_path), eval_path=str(eval_path))
-    if cfg.sft.enabled:
+    if cfg.init.checkpoint:
+        from hpcrl.init_from import start_from
+
+        init, prepared.init_from = start_from(cfg, run_dir, base, len(train_rows))
+        prepared.init_model = str(init)
+        if cfg.sft.enabled:
+            log.info("SFT warm start skipped: the policy starts from %s", prepared.init_from["checkpoint"])
+    elif cfg.sft.enabled:
         runner = RewardRunner(cfg.reward)
         try:
             res = warm_start(cfg.sft, base, train_rows, eval_rows, scorer(runner),

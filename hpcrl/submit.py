@@ -1,11 +1,16 @@
 """Start a run: ``python -m hpcrl.submit --config configs/X.yaml [key=value ...]``.
 
+``python -m hpcrl.submit --config X --from <ckpt_dir> [--restore
+optimizer,scheduler,data]`` starts a new run whose policy starts from another
+run's checkpoint (:mod:`hpcrl.init_from`).
+
 ``python -m hpcrl.submit --resume <run_dir>`` continues a stopped or crashed
 run with its frozen config: preparation is skipped when done, the trainer
 resumes from its newest valid checkpoint and the rollouts from the ledger.
-The target may also be that checkpoint's directory, and overrides may change
-how long and where the run goes on, never what it trains
-(:mod:`hpcrl.launch.resume`).
+The target may also be that checkpoint's directory, or with ``--rewind`` an
+older checkpoint's (the groups trained after it return to the queue), and
+overrides may change how long and where the run goes on, never what it
+trains (:mod:`hpcrl.launch.resume`).
 On SIGUSR2/SIGTERM (walltime or preemption of the job it runs in) every
 component checkpoints and stops; inside a requeueable Slurm job the job is
 requeued (``sbatch/run_async_ppo.sh`` then resumes), and the exit code is 75.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import sys
 import threading
@@ -69,7 +75,7 @@ FAILED_START = "FAILED_START"  # written when a new run fails before any work; a
 def has_work(run_dir: Path) -> bool:
     """Whether a run directory holds work a new run must not replace: an admitted ticket, a checkpoint, DONE."""
     return (run_dir / "DONE").exists() or any((run_dir / "admission" / "tickets").glob("t*")) \
-        or any((run_dir / "ckpt").glob("step_*"))
+        or any(p.name != "step_000000" for p in (run_dir / "ckpt").glob("step_*"))  # step 0: nothing trained
 
 
 def create_run_dir(cfg: RunConfig) -> RunConfig:
@@ -82,6 +88,8 @@ def create_run_dir(cfg: RunConfig) -> RunConfig:
         log.warning("reusing %s: its previous start failed before any work (%s); replacing its config", run_dir, why)
         for stale in ("config.yaml", "prepared.json", "summary.json", "admission/meta.json", CANCEL, FAILED_START):
             (run_dir / stale).unlink(missing_ok=True)
+        for stale in ("ckpt/step_000000", "init"):  # a start from another run's checkpoint (--from)
+            shutil.rmtree(run_dir / stale, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, run_dir=str(run_dir))
     save(cfg, run_dir / "config.yaml")
@@ -137,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="YAML config (see configs/)")
     parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CKPT_DIR",
                         help="continue a stopped, cancelled or crashed run (overrides: only trainer.total_steps, "
-                             "rollout.replicas, launch.*, watchdog.*, eval.*)")
+                             "trainer.world_size, rollout.replicas, launch.*, watchdog.*, eval.*)")
+    parser.add_argument("--rewind", action="store_true",
+                        help="with --resume <run_dir>/ckpt/step_N older than the newest checkpoint: go back to it (the "
+                             "newer checkpoints are set aside in ckpt/rewound/, the groups trained after step N "
+                             "return to the queue)")
+    parser.add_argument("--from", dest="start_from", metavar="CKPT_DIR",
+                        help="a new run (--config) whose policy starts from another run's checkpoint "
+                             "(<run_dir>/ckpt/step_N, or a run directory: its newest); sets init.checkpoint")
+    parser.add_argument("--restore", metavar="PARTS",
+                        help="with --from, what else continues: a comma list of optimizer, scheduler, data; sets "
+                             "init.restore")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config, model, data and (Slurm) each job with sbatch --test-only; print what "
                              "would be submitted; create and submit nothing")
@@ -151,11 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     preempt = PreemptionFlag()  # before anything slow: Slurm may signal a short job within seconds
     try:
+        if args.start_from or args.restore:
+            if args.resume or not args.start_from:
+                raise ConfigError("--from starts a new run (--config ... --from CKPT_DIR [--restore PARTS]); a resumed "
+                                  "run keeps where it started from")
+            args.overrides += [f"init.checkpoint={args.start_from}",
+                               f"init.restore=[{args.restore or ''}]"]
+        if args.rewind and not args.resume:
+            raise ConfigError("--rewind goes with --resume <run_dir>/ckpt/step_N")
         if args.dry_run:
             if args.resume:
                 raise ConfigError("--dry-run checks a new run (--config); a resumed run was checked when it started")
             return 0 if dry_run(load_config(args.config, args.overrides)) else 1
-        cfg = open_resumed(args.resume, args.overrides) if args.resume else \
+        cfg = open_resumed(args.resume, args.overrides, args.rewind) if args.resume else \
             create_run_dir(load_config(args.config, args.overrides))
     except ConfigError as e:
         log.error("config error: %s", e)

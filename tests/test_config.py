@@ -138,8 +138,25 @@ def test_dry_run_checks_model_and_data_and_creates_nothing(tmp_path) -> None:
                                                                          "rollout-1"]
     assert any("-m hpcrl.rollout --run-dir" in ln and "--replica 1" in ln for ln in lines), lines
     bad = dry("model.tiny=false", f"model.path={tmp_path}/nomodel", "data.synthetic=none",
-              f"data.train_path={tmp_path}/train.jsonl")
+              f"data.train_path={tmp_path}/train.jsonl", f"init.checkpoint={tmp_path}/gone")
     assert bad.returncode == 1, bad.stdout
+    assert f"[FAIL] start: init.checkpoint: {tmp_path}/gone does not exist" in bad.stdout
     assert f"[FAIL] model: model.path: {tmp_path}/nomodel is not a directory" in bad.stdout
     assert f"[FAIL] data: data.train_path: {tmp_path}/train.jsonl does not exist" in bad.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created
+
+
+def test_rewind_and_from_are_refused_where_they_do_not_apply(tmp_path, capsys) -> None:
+    """--rewind needs --resume of a checkpoint directory; --from starts a new run, never a resumed one; a resume
+    cannot change where a run started from."""
+    run = tmp_path / "run"
+    run.mkdir()
+    save(load_config(QUICK, [f"run_dir={run}"]), run / "config.yaml")
+    cases = [(["--config", QUICK, "--rewind"], "--rewind goes with --resume"),
+             (["--resume", str(run), "--rewind"], "--rewind: name the checkpoint to go back to"),
+             (["--resume", str(run), "--from", str(run)], "--from starts a new run"),
+             (["--config", QUICK, "--restore", "data"], "--from starts a new run"),
+             (["--resume", str(run), f"init.checkpoint={run}"], "--resume cannot change init.checkpoint")]
+    for argv, message in cases:
+        assert submit_main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv

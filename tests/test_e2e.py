@@ -20,6 +20,7 @@ import pytest
 from chaos_script import load_chaos
 
 from hpcrl.audit import audit
+from hpcrl.ckpt.store import committed
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
@@ -174,7 +175,7 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
 
     bad = resume(str(run), "trainer.lr=1", "eval.every_steps=0")
     assert bad.returncode == 2 and "--resume cannot change trainer.lr:" in bad.stderr, bad.stderr[-2000:]
-    ckpts = sorted((run / "ckpt").glob("step_*"))
+    ckpts = [c for _, c in committed(run / "ckpt")]  # Ctrl-C may have cut a save short: step_N.tmp
     if sig == signal.SIGUSR2:  # resume from the checkpoint directory itself, and train longer than planned
         assert ckpts[-1].name == f"step_{stopped_at:06d}"
         done = resume(str(ckpts[-1]), f"trainer.total_steps={steps + 20}")
@@ -182,15 +183,34 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     else:
         older = resume(str(ckpts[0]))  # an older checkpoint than the newest: its later training would be lost
         assert older.returncode == 2 and f"not the newest valid checkpoint ({ckpts[-1].name})" in older.stderr
-        done = resume(str(run))
+        assert "add --rewind" in older.stderr
+        done = resume(str(ckpts[0]), "--rewind")  # go back: what was trained after it returns to the queue
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = [ln for ln in (run / "logs" / "trainer-r0.log").read_text().splitlines() if "resumed from" in ln]
-    assert resumed and (sig != signal.SIGUSR2 or f"step_{stopped_at:06d}" in resumed[0]), resumed
+    expected = ckpts[-1] if sig == signal.SIGUSR2 else ckpts[0]
+    assert resumed and expected.name in resumed[0], resumed
     events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
-    assert [e.get("overrides") for e in events if e["action"] == "resume"] == \
-        [[f"trainer.total_steps={steps}"] if sig == signal.SIGUSR2 else []]
+    if sig == signal.SIGUSR2:
+        assert [e.get("overrides") for e in events if e["action"] in ("resume", "rewind")] == \
+            [[f"trainer.total_steps={steps}"]]
+    else:
+        rewinds = [e for e in events if e["action"] == "rewind"]
+        assert len(rewinds) == 1 and rewinds[0]["set_aside"] == [int(c.name[5:]) for c in ckpts[1:]], events
+        assert [c.name for c in ckpts[1:]] == \
+            sorted(p.name for p in (run / "ckpt" / "rewound").glob("*/step_*") if ".tmp" not in p.name)
     rep = audit(run)
     assert rep.ok and rep.steps == steps and rep.unfinished == 0, rep.violations
+    if sig == signal.SIGUSR2:  # a new run from this one's newest checkpoint, where its data left off
+        new = tmp_path / "continued"
+        started = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+                                  "--from", str(run), "--restore", "data,optimizer",
+                                  *submit_args(new, cache, "trainer.total_steps=10", "eval.every_steps=0")],
+                                 capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        assert started.returncode == 0, started.stderr[-3000:]
+        taken = json.loads((new / "prepared.json").read_text())["init_from"]
+        assert taken["checkpoint"].endswith(f"step_{steps:06d}") and taken["data_offset"] >= steps * 4, taken
+        rep = audit(new)  # every trained group sits at its ticket's position, shifted by the offset
+        assert rep.ok and rep.steps == 10, rep.violations
 
 
 def hpcrl_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ again). Versions past the checkpoint are republished; nothing is lost.
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -68,14 +69,15 @@ def make_run(run_dir: Path, assets: Path, world_size: int, extra: tuple[str, ...
     (run_dir / "admission" / "tickets").mkdir(parents=True)
 
 
-def feed_groups(run_dir: Path, tickets: range) -> None:
-    """Admitted groups in the spool, as a rollout writer "r0" would have published them."""
+def feed_groups(run_dir: Path, tickets: range, content_of: int = 0) -> None:
+    """Admitted groups in the spool, as a rollout writer "r0" would have published them (ticket t holds what
+    ticket ``t + content_of`` holds in another run)."""
     spool = Spool(run_dir / "spool")
     cfg = load_saved(run_dir)
     rows = sum(1 for _ in open(load_prepared(run_dir).train_path))
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, rows, cfg.seed)
     for t in tickets:
-        rng = np.random.default_rng(t)
+        rng = np.random.default_rng(t + content_of)
         samples = []
         for i in range(G):
             n = int(rng.integers(1, 5))
@@ -264,3 +266,87 @@ def test_resume_with_a_critic_is_bit_identical(tmp_path, assets) -> None:
     a = uninterrupted(tmp_path / "a", assets, 1, ppo)
     b = killed_and_resumed(tmp_path / "b", assets, 1, 1, ppo)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rewind_to_an_older_checkpoint_retrains_what_came_after(tmp_path, assets) -> None:
+    """A finished run rewound to step 3: the step-6 checkpoint is set aside, not deleted, the groups trained
+    in steps 4-6 go back to the queue and are trained again, and the final weights are bit-identical to a
+    run that never rewound; every group is trained exactly once in the final model's history."""
+    a = uninterrupted(tmp_path / "a", assets, 1)
+    run = tmp_path / "r"
+    make_run(run, assets, 1)
+    feed_groups(run, range(STEPS * B))
+    wait_all(start_trainer(run, 1), run)
+    assert [s for s, _ in store.committed(run / "ckpt")] == [3, 6]
+    assert store.request_rewind(run / "ckpt", 3, "test") == [6]
+    wait_all(start_trainer(run, 1), run)
+    log = (run / "trainer-r0.out").read_text()
+    assert "rewound to step 3: 1 newer checkpoint(s) set aside" in log and "'released': 6" in log, log[-3000:]
+    assert not (run / "ckpt" / store.REWIND).exists()
+    assert [p.name for p in (run / "ckpt" / store.REWOUND).glob("*/step_*")] == ["step_000006"]
+    assert [s for s, _ in store.committed(run / "ckpt")] == [3, 6]  # step 6 written again by the second leg
+    b = final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rep = audit(run)
+    assert rep.ok and rep.trained_groups == STEPS * B, rep.violations
+    store.request_rewind(run / "ckpt", 3, "test")
+    shutil.rmtree(run / "ckpt" / "step_000003")
+    with pytest.raises(store.CheckpointError, match="cannot rewind to .*step_000003"):
+        store.apply_rewind(run / "ckpt")
+    assert [s for s, _ in store.committed(run / "ckpt")] == [6]  # a failed rewind moves nothing
+
+
+def started_from(run_dir: Path, assets: Path, source: Path, restore: str, *extra: str) -> Prepared:
+    """A new run prepared from ``source`` the way ``python -m hpcrl.submit --from`` does."""
+    from hpcrl.prepare import prepare
+
+    cfg = load_config(None, [
+        f"run_dir={run_dir}", f"model.path={assets / 'model'}", f"data.train_path={assets / 'data/train.jsonl'}",
+        f"data.eval_path={assets / 'data/eval.jsonl'}", f"admission.batch_size={B}", "admission.max_staleness=100",
+        f"rollout.group_size={G}", f"rollout.max_batch_size={G}", "trainer.total_steps=3", "trainer.lr=1e-2",
+        "trainer.warmup_steps=2", "ckpt.every_steps=3", "eval.at_start=false", "eval.every_steps=0", "eval.size=4",
+        "rollout.max_new_tokens=2", f"init.checkpoint={source}", f"init.restore=[{restore}]", *extra])
+    run_dir.mkdir(parents=True)
+    save(cfg, run_dir / "config.yaml")
+    return prepare(cfg, run_dir)
+
+
+def test_a_new_run_from_another_runs_checkpoint(tmp_path, assets) -> None:
+    """Run A trains 6 steps (constant lr after a 2-step warm-up). Run B starts from A's step-3 checkpoint with
+    its optimizer, schedule position and data position, and trains A's last 3 batches as its first 3: its
+    weights are bit-identical to A's. Run C takes the weights alone (fresh optimizer, warm-up from 0): they
+    differ. The step-0 checkpoint shares A's shard files (hard links); a model of another architecture, or
+    the data position of another dataset, is refused before anything is written."""
+    a = uninterrupted(tmp_path / "a", assets, 1, ("trainer.lr_schedule=constant",))
+    source = tmp_path / "a" / "ckpt" / "step_000003"
+    b_dir = tmp_path / "b"
+    prep = started_from(b_dir, assets, source, "optimizer,scheduler,data")
+    assert prep.init_from["data_offset"] == 3 * B and Path(prep.init_model) == b_dir / "init" / "model"
+    ours, theirs = AdmissionLedger(b_dir / "admission", load_saved(b_dir).admission, 1), \
+        AdmissionLedger(tmp_path / "a" / "admission", load_saved(b_dir).admission, 1)
+    assert (ours.ticket(0).epoch, ours.ticket(0).row) == (theirs.ticket(3 * B).epoch, theirs.ticket(3 * B).row)
+    shard = next(source.glob("*.distcp"))
+    assert (b_dir / "ckpt" / "step_000000" / shard.name).stat().st_ino == shard.stat().st_ino
+    assert not store.verify(b_dir / "ckpt" / "step_000000")
+    feed_groups(b_dir, range(3 * B), content_of=3 * B)  # A's batches of steps 4-6
+    wait_all(start_trainer(b_dir, 1), b_dir)
+    assert "starting from" in (b_dir / "trainer-r0.out").read_text()
+    b = load_file(str(b_dir / "weights" / "v000003" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert audit(b_dir).ok
+
+    c_dir = tmp_path / "c"
+    started_from(c_dir, assets, tmp_path / "a", "")  # a run directory: its newest checkpoint (step 6)
+    assert json.loads((c_dir / "ckpt" / "step_000000" / "trainer.json").read_text())["load"] == ["model"]
+    feed_groups(c_dir, range(3 * B), content_of=3 * B)
+    wait_all(start_trainer(c_dir, 1), c_dir)
+    c = load_file(str(c_dir / "weights" / "v000003" / "model.safetensors"))
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+    build_tiny_model(tmp_path / "wide", TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, num_kv_heads=2,
+                                                        head_dim=16, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"another architecture.*'hidden_size': \(48, 32\)"):
+        started_from(tmp_path / "d", assets, source, "", f"model.path={tmp_path / 'wide'}")
+    with pytest.raises(ValueError, match="init.restore: data: the source trained on 200 rows with seed 0"):
+        started_from(tmp_path / "e", assets, source, "data", "seed=1")
+    assert not (tmp_path / "e" / "ckpt").exists() and not (tmp_path / "d" / "init").exists()

@@ -19,9 +19,12 @@ Lifecycle and ordering rules (DESIGN 3.2):
   (a trainer restart, a dead rollout) is drained at the trainer's pace
   instead of going stale and being reissued again (a regeneration storm).
   Concurrent takers may overshoot by at most one ticket each.
-* Ticket ``n`` maps deterministically to a dataset row: epoch ``n // N``,
-  position ``perm(seed, epoch)[n % N]``. The data order is reproducible, and
-  the ledger on disk *is* the dataloader state: nothing to checkpoint.
+* Ticket ``n`` maps deterministically to a dataset row: with ``m = n +
+  offset``, epoch ``m // N``, position ``perm(seed, epoch)[m % N]``. The
+  data order is reproducible, and the ledger on disk *is* the dataloader
+  state: nothing to checkpoint. ``offset`` is 0 unless the run continues
+  another run's data position (``meta.json``, written before any component
+  starts: :mod:`hpcrl.init_from`).
 * The trainer records a dropped group with :meth:`record_drop` (one file per
   ticket, created exclusively, so a repeated drop is counted once).
 * A ticket whose work was lost (its rollout died, or its trajectories came
@@ -37,7 +40,7 @@ Lifecycle and ordering rules (DESIGN 3.2):
 * Every state-changing call checks the ownership fence first
   (:class:`hpcrl.runtime.owner.Fence`): a component of a replaced owner
   cannot change the ledger. Records carry the writer's owner epoch.
-* ``meta.json`` records the dataset size and seed, so tools (the audit) map
+* ``meta.json`` records the dataset size, seed and offset, so tools (the audit) map
   tickets to dataset positions without the dataset.
 
 Cost: ``try_admit`` lists ``reissue/`` and ``dropped/`` on every call (the
@@ -105,7 +108,10 @@ class AdmissionLedger:
         self._perms: dict[int, np.ndarray] = {}
         self.fence = fence or NoFence()
         meta = self.root / "meta.json"
-        if num_rows > 1 and not meta.exists():  # num_rows=1: a tool that needs no dataset mapping
+        self.offset = 0  # a run started from another run's data position (``init.restore: [data]``)
+        if meta.exists():
+            self.offset = int(atomic.read_json(meta).get("offset", 0))
+        elif num_rows > 1:  # num_rows=1: a tool that needs no dataset mapping
             atomic.write_json(meta, {"num_rows": num_rows, "seed": seed})
 
     def _record(self, **fields) -> dict:
@@ -203,7 +209,7 @@ class AdmissionLedger:
         return None
 
     def ticket(self, index: int) -> Ticket:
-        epoch, pos = divmod(index, self.num_rows)
+        epoch, pos = divmod(index + self.offset, self.num_rows)
         return Ticket(index=index, epoch=epoch, row=int(self._perm(epoch)[pos]))
 
     def _perm(self, epoch: int) -> np.ndarray:

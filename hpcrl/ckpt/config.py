@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -22,3 +23,18 @@ class CheckpointConfig:
             raise ValueError(f"keep_last: must be >= 1, got {self.keep_last}")
         if self.keep_every < 0:
             raise ValueError(f"keep_every: must be >= 0, got {self.keep_every}")
+
+
+@dataclass
+class InitConfig:
+    """Where a new run's policy starts (``python -m hpcrl.submit --from <ckpt_dir>``; :mod:`hpcrl.init_from`)."""
+
+    checkpoint: str = ""  # another run's checkpoint (<run_dir>/ckpt/step_N, or a run dir: its newest); "" = model.*
+    # what else continues from it: the optimizer state, the learning-rate schedule's position, the data position
+    restore: list[Literal["optimizer", "scheduler", "data"]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.restore and not self.checkpoint:
+            raise ValueError(f"restore: {self.restore} needs init.checkpoint (--from)")
+        if len(set(self.restore)) != len(self.restore):
+            raise ValueError(f"restore: {self.restore} names an item twice")

@@ -12,6 +12,15 @@ rank 0 writes the manifest and ``COMMITTED`` and renames the directory to
 A directory without ``COMMITTED``, or whose files do not match the
 manifest, is skipped by :func:`latest_valid` with a warning, and the previous
 committed checkpoint is used.
+
+Rewind (``python -m hpcrl.submit --resume <run_dir>/ckpt/step_N --rewind``):
+:func:`request_rewind` leaves ``REWIND.json`` naming step N; the trainer's
+rank 0 carries it out with :func:`apply_rewind` before it restores, so no
+trainer of an earlier owner can race it: every committed checkpoint after N
+(and any temporary) moves to ``rewound/<time>/``, N becomes the newest, and
+the trainer's reconcile returns the groups trained after N to the queue.
+Nothing is deleted: the set-aside checkpoints stay there until removed by
+hand. Applying a request twice is the same as once.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import hashlib
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 from hpcrl import atomic
@@ -28,6 +38,8 @@ log = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 COMMITTED = "COMMITTED"
 MANIFEST = "manifest.json"
+REWIND = "REWIND.json"
+REWOUND = "rewound"
 
 
 class CheckpointError(RuntimeError):
@@ -119,3 +131,33 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, full_check: bool = Fa
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def request_rewind(root: Path, step: int, reason: str) -> list[int]:
+    """Ask the next trainer to resume from ``step`` although newer checkpoints exist; the steps it sets aside."""
+    newer = [s for s, _ in committed(root) if s > step]
+    atomic.write_json(root / REWIND, {"step": step, "reason": reason, "set_aside": newer})
+    return newer
+
+
+def apply_rewind(root: Path) -> tuple[int, list[Path]] | None:
+    """Carry out a pending :func:`request_rewind`: (its step, where the newer checkpoints went), or None.
+
+    Raises CheckpointError if the checkpoint to rewind to no longer verifies."""
+    if not (root / REWIND).exists():
+        return None
+    step = int(atomic.read_json(root / REWIND)["step"])
+    target = step_dir(root, step)
+    problems = verify(target, full=False)
+    if problems:
+        raise CheckpointError(f"cannot rewind to {target}: {'; '.join(problems[:3])} (remove {root / REWIND} to "
+                              "resume from the newest checkpoint instead)")
+    aside = root / REWOUND / time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for p in [p for s, p in committed(root) if s > step] + sorted(root.glob("step_*.tmp*")):
+        aside.mkdir(parents=True, exist_ok=True)
+        p.rename(aside / p.name)
+        moved.append(aside / p.name)
+    atomic.fsync_dir(root)
+    (root / REWIND).unlink()
+    return step, moved

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
@@ -65,6 +65,24 @@ def _dcp_state(engine) -> dict[str, Any]:
     if getattr(engine, "critic", None) is not None:
         state["critic"], state["critic_optim"] = get_state_dict(engine.critic, engine.critic_optimizer)
     return state
+
+
+def _set(model, optimizer, model_sd, optim_sd) -> None:
+    if optim_sd is not None:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        set_model_state_dict(model, model_sd)
+
+
+def _continue_schedule(scheduler, optimizer, saved: dict | None) -> None:
+    """A run started from another run's checkpoint: this run's base learning rates and schedule, at the saved
+    position when the scheduler is restored (else at 0); a loaded optimizer state's rates are replaced."""
+    if saved:
+        scheduler.last_epoch = int(saved["last_epoch"])
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr, base in zip(optimizer.param_groups, lrs, scheduler.base_lrs):
+        group["lr"], group["initial_lr"] = lr, base
+    scheduler._last_lr = lrs
 
 
 class Checkpointer:
@@ -118,7 +136,16 @@ class Checkpointer:
         return final
 
     def restore(self, engine) -> dict[str, Any] | None:
-        """Load the newest valid checkpoint into ``engine``; its trainer.json, or None if there is none."""
+        """Load the newest valid checkpoint into ``engine``; its trainer.json, or None if there is none.
+
+        A pending rewind (:func:`hpcrl.ckpt.store.apply_rewind`) is carried out first, by rank 0."""
+        if self.ctx.is_main:
+            self.fence.check("rewind")
+            rewound = store.apply_rewind(self.root)
+            if rewound:
+                log.warning("rewound to step %d: %d newer checkpoint(s) set aside in %s; the groups trained after "
+                            "step %d return to the queue", rewound[0], len(rewound[1]),
+                            rewound[1][0].parent if rewound[1] else "-", rewound[0])
         found = store.latest_valid(self.root) if self.ctx.is_main else None
         box = [str(found[1]) if found else None]
         if self.ctx.world_size > 1:
@@ -126,16 +153,24 @@ class Checkpointer:
         if box[0] is None:
             return None
         path = Path(box[0])
-        state = _dcp_state(engine)
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        if engine.critic is not None:
-            set_state_dict(engine.critic, engine.critic_optimizer, model_state_dict=state["critic"],
-                           optim_state_dict=state["critic_optim"])
         meta = atomic.read_json(path / "trainer.json")
-        engine.scheduler.load_state_dict(meta["scheduler"])
+        state = _dcp_state(engine)
+        if meta.get("load") is not None:  # another run's checkpoint (--from): only the parts it names
+            state = {k: v for k, v in state.items() if k in meta["load"]}
+        dcp.load(state, checkpoint_id=str(path))
+        _set(engine.model, engine.optimizer, state.get("model"), state.get("optim"))
+        if engine.critic is not None and "critic" in state:
+            _set(engine.critic, engine.critic_optimizer, state["critic"], state.get("critic_optim"))
         engine.version = meta.get("engine_version", meta["step"])
+        if meta.get("from"):
+            _continue_schedule(engine.scheduler, engine.optimizer, meta.get("scheduler"))
+            if engine.critic_scheduler is not None:
+                _continue_schedule(engine.critic_scheduler, engine.critic_optimizer, meta.get("critic_scheduler"))
+            log.info("starting from %s (step %d of its run): loaded %s%s", meta["from"]["checkpoint"],
+                     meta["from"]["step"], ", ".join(state), ", the schedule's position" if meta.get("scheduler")
+                     else "")
+            return meta
+        engine.scheduler.load_state_dict(meta["scheduler"])
         if engine.critic_scheduler is not None and meta.get("critic_scheduler"):
             engine.critic_scheduler.load_state_dict(meta["critic_scheduler"])
         rng_file = path / f"rng-r{self.ctx.rank}.json"

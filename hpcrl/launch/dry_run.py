@@ -7,6 +7,8 @@ Creates nothing (no run directory, no dataset, no model, no job). In order:
    and a tokenizer that loads (a tiny model to be built is reported as such);
 3. the data: ``data.train_path`` / ``data.eval_path`` must exist and parse
    into rows (synthetic tasks are generated at the start, reported as such);
+   a start from another run's checkpoint (``init.checkpoint``): it verifies
+   and holds the configured architecture;
 4. the components: for each, the request the scheduler would get is printed
    (the local command line; the ``srun`` command inside an allocation; the
    sbatch script submitit would write), and under ``launch.scheduler=slurm``
@@ -47,6 +49,24 @@ def check_model(cfg: RunConfig) -> tuple[bool, str]:
     except Exception as e:  # whatever the tokenizer files hold, the user must hear it before queueing
         return False, f"model.path: the tokenizer in {path} does not load: {type(e).__name__}: {e}"
     return True, f"model {path} (tokenizer: {len(tok)} tokens)"
+
+
+def check_start(cfg: RunConfig) -> tuple[bool, str]:
+    """``init.checkpoint`` (--from): the checkpoint verifies and its model has the configured architecture."""
+    from hpcrl.init_from import ARCHITECTURE_KEYS, architecture, resolve_source, source_init_model
+
+    try:
+        src = resolve_source(cfg.init.checkpoint)
+        theirs = architecture(source_init_model(src))
+    except (ValueError, OSError) as e:
+        return False, str(e)
+    path = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    if path is not None and (path / "config.json").exists():
+        ours = architecture(path)
+        diff = {k: (ours[k], theirs[k]) for k in ARCHITECTURE_KEYS if ours[k] != theirs[k]}
+        if diff:
+            return False, f"init.checkpoint: {src} holds another architecture than {path}: {diff}"
+    return True, f"starts from {src} (restoring weights{''.join(', ' + r for r in cfg.init.restore)})"
 
 
 def check_data(cfg: RunConfig) -> tuple[bool, str]:
@@ -96,7 +116,10 @@ def dry_run(cfg: RunConfig) -> bool:
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}-<time>").expanduser().resolve()
     print(f"dry run of {cfg.name}: nothing is created or submitted; the run directory would be {run_dir}")
     ok = True
-    for what, (passed, text) in (("model", check_model(cfg)), ("data", check_data(cfg))):
+    checks = [("model", check_model(cfg)), ("data", check_data(cfg))]
+    if cfg.init.checkpoint:
+        checks.append(("start", check_start(cfg)))
+    for what, (passed, text) in checks:
         print(f"[{'ok' if passed else 'FAIL'}] {what}: {text}")
         ok &= passed
     with tempfile.TemporaryDirectory(prefix="hpcrl-dry-run-") as tmp:
