@@ -69,7 +69,8 @@ fi
 
 # exec: the supervisor is the batch process itself, so --signal=B:USR2 reaches it
 if [[ -f "$RUN_DIR/config.yaml" ]]; then  # requeued after walltime/preemption: continue the run
-    exec "$PY" -m hpcrl.submit --resume "$RUN_DIR"
+    exec "$PY" -m hpcrl.submit --resume "$RUN_DIR" trainer.world_size="${SLURM_NTASKS_HET_GROUP_0:-1}" \
+        rollout.replicas="${SLURM_NTASKS_HET_GROUP_1:-1}"  # this allocation's size, if resubmitted resized
 fi
 # shellcheck disable=SC2086  # HPCRL_OVERRIDES is a space-separated list on purpose
 exec "$PY" -m hpcrl.submit --config "${HPCRL_CONFIG:-configs/quickstart.yaml}" \

@@ -83,6 +83,9 @@ def test_sbatch_het_job_runs_trainer_and_rollout_in_separate_het_groups(tmp_path
     assert (run / "logs" / f"slurm-{job}.out").exists() and (run / "logs" / f"batch-{job}.log").exists()
     registry = json.loads((run / "jobs" / "registry.json").read_text())
     assert registry["trainer"]["argv"][0] == f"{ROOT}/.venv/bin/python"  # the Python the wrapper found
+    # each component a step of this allocation, named as sacct shows it (its job_id is the local srun pid)
+    assert {n: (r["allocation"], r["step_name"]) for n, r in registry.items()} == \
+        {"trainer": (job, "hpcrl-trainer"), "rollout-0": (job, "hpcrl-rollout-0")}
     jobs = sacct(job)
     assert jobs[f"{job}+0"][1] == "COMPLETED" and jobs[f"{job}+1"][1] == "COMPLETED"
     steps = {name: (jid, nodes) for jid, (name, _, nodes) in jobs.items() if "." in jid}

@@ -112,7 +112,9 @@ def components(run_dir: Path) -> dict[str, dict]:
             ("running" if alive else "ended") if reach == "local" else f"on {rec.get('host')} (not checked)"
         beat_name = f"{'trainer-r0' if name == 'trainer' else name}@{rec.get('instance', '')}"
         beat = beats.get(beat_name, {})
-        out[name] = {"job_id": str(rec["job_id"]), "scheduler": rec.get("scheduler"), "host": rec.get("host"),
+        job = str(rec["job_id"]) if not rec.get("allocation") else \
+            f"{rec['allocation']}:{rec.get('step_name')} (srun pid {rec['job_id']})"  # a step of the allocation
+        out[name] = {"job_id": job, "scheduler": rec.get("scheduler"), "host": rec.get("host"),
                      "epoch": rec.get("epoch"), "state": state, "alive": alive, "restarts": restarts.get(name, 0),
                      "heartbeat_age_s": round(time.time() - beat["time"], 1) if "time" in beat else None}
     return out

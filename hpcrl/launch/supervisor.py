@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -204,10 +205,14 @@ def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
 
 
 def _write_registry(cfg: RunConfig, run_dir: Path, jobs: dict) -> None:
+    """Who runs what, for a take-over and ``python -m hpcrl status``; a ``srun`` step's job id is the local
+    ``srun`` pid, so its allocation and step name (as ``sacct``/``squeue --steps`` show them) are added."""
     host = socket.gethostname()
+    step = {"allocation": os.environ.get("SLURM_JOB_ID")} if cfg.launch.scheduler == "srun" else {}
     atomic.write_json(run_dir / "jobs" / "registry.json",
                       {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks,
-                           "host": host, "epoch": int(s.env[ENV_EPOCH]), "instance": s.env[ENV_INSTANCE]}
+                           "host": host, "epoch": int(s.env[ENV_EPOCH]), "instance": s.env[ENV_INSTANCE],
+                           **({**step, "step_name": f"hpcrl-{n}"} if step else {})}
                        for n, (j, s) in jobs.items()})
 
 
