@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hpcrl.algo import (
     AlgoConfig,
     approx_prox_logprobs,
+    batch_moments,
     decoupled_ppo_loss,
     gae,
     group_advantages,
@@ -179,6 +180,24 @@ def test_whiten_with_split_moments_matches_loop(unbiased):
     sd = (statistics.stdev if unbiased else statistics.pstdev)(vals)
     want = torch.where(mask, (x - mu) / (sd + 1e-8), torch.zeros_like(x))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_whiten_keeps_its_digits_far_from_zero():
+    """Values around 1e8 with a spread of 1e-2 (returns of a long episode with a large constant reward): the
+    two-pass moments whiten them exactly as the float64 loop does, split over micro-batches; the one-pass
+    E[x^2] - E[x]^2 (a zero center) loses the variance to rounding."""
+    g = torch.Generator().manual_seed(21)
+    x = 1e8 + 1e-2 * torch.randn(6, 5, generator=g, dtype=F64)
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    moments, center = batch_moments([(x[:2], mask[:2]), (x[2:], mask[2:])])
+    got = torch.cat([whiten(x[:2], mask[:2], moments, eps=0.0, center=center),
+                     whiten(x[2:], mask[2:], moments, eps=0.0, center=center)])
+    vals = x[mask].tolist()
+    mu, sd = statistics.fmean(vals), statistics.pstdev(vals)
+    want = torch.where(mask, (x - mu) / sd, torch.zeros_like(x))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    one_pass = whiten(x, mask, masked_moments(x, mask), eps=0.0)
+    assert not torch.allclose(one_pass, want, rtol=1e-2, atol=1e-2)  # what the old formula gave
 
 
 @pytest.mark.parametrize("clip", [None, 0.2])

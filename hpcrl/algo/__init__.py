@@ -24,6 +24,7 @@ _LAZY = {
     "AlgoConfig": "hpcrl.algo.config",
     "is_informative": "hpcrl.algo.dapo",
     "overlong_penalty": "hpcrl.algo.dapo",
+    "batch_moments": "hpcrl.algo.gae",
     "gae": "hpcrl.algo.gae",
     "masked_moments": "hpcrl.algo.gae",
     "token_rewards": "hpcrl.algo.gae",

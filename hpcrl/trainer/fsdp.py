@@ -41,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from hpcrl.algo import (
     aggregate,
     approx_prox_logprobs,
+    batch_moments,
     gae,
     kl_estimate,
     masked_moments,
@@ -215,7 +216,7 @@ class FSDPEngine:
         algo, dev = self.algo, self.ctx.device
         lam = algo.lam if algo.adv_estimator == "gae" else 1.0
         kl_coef = algo.kl_coef if algo.kl_mode == "reward" else 0.0
-        moments, kl_sum = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        kl_sum = torch.zeros(3, dtype=torch.float64)
         for mb, a in ((mb, a) for mbs, auxs in zip(minibatches, aux) for mb, a in zip(mbs, auxs)):
             mask = mb.mask.to(dev)
             kl = None
@@ -225,13 +226,14 @@ class FSDPEngine:
                 kl_sum += masked_moments(kl, mask).cpu()
             rewards = token_rewards(mb.seq_scores.to(dev), mask, kl, kl_coef)
             mb.advantages, a["returns"] = gae(rewards, a.get("values"), mask, algo.gamma, lam)
-            moments += masked_moments(mb.advantages, mask).cpu()
-        moments = self._global_sum(moments)
+        every = [mb for mbs in minibatches for mb in mbs]
+        moments, center = batch_moments(((mb.advantages, mb.mask.to(dev)) for mb in every), self._global_sum)
         mean_lv, std_lv = resolve_levels(algo.adv_estimator, algo.adv_mean_level, algo.adv_std_level, "token")
-        for mb in (mb for mbs in minibatches for mb in mbs):
+        for mb in every:
             mb.advantages = whiten(mb.advantages, mb.mask.to(dev), moments, shift_mean=mean_lv == "batch",
-                                   scale=std_lv == "batch", unbiased=algo.adv_std_unbiased, eps=algo.adv_eps)
-        stats = {"adv/return_mean": float(moments[0] / max(float(moments[2]), 1.0))}
+                                   scale=std_lv == "batch", unbiased=algo.adv_std_unbiased, eps=algo.adv_eps,
+                                   center=center)
+        stats = {"adv/return_mean": center}
         if kl_coef:
             kl_sum = self._global_sum(kl_sum)
             stats["kl/reward_penalty_mean"] = float(kl_sum[0] / max(float(kl_sum[2]), 1.0))
@@ -239,19 +241,17 @@ class FSDPEngine:
 
     def _advantage_stats(self, mbs: list[B.MicroBatch]) -> dict[str, float]:
         """Mean/std over all ranks' trained tokens; max/min of this rank's tokens."""
-        moments = torch.zeros(3, dtype=torch.float64)
         hi, lo = -math.inf, math.inf
         for mb in mbs:
             valid = mb.mask > 0
             if bool(valid.any()):
                 adv = mb.advantages.detach().cpu()[valid]
-                moments += masked_moments(adv, torch.ones_like(adv))
                 hi, lo = max(hi, float(adv.max())), min(lo, float(adv.min()))
-        s, ss, n = self._global_sum(moments).tolist()
+        moments, center = batch_moments(((mb.advantages.detach().cpu(), mb.mask) for mb in mbs), self._global_sum)
+        s, ss, n = moments.tolist()
         if n == 0:
             return {}
-        mean = s / n
-        out = {"adv/mean": mean, "adv/std": math.sqrt(max(ss / n - mean * mean, 0.0))}
+        out = {"adv/mean": center + s / n, "adv/std": math.sqrt(max(ss / n - (s / n) ** 2, 0.0))}
         if math.isfinite(hi):
             out.update({"adv/max": hi, "adv/min": lo})
         return out
