@@ -14,6 +14,22 @@ on the same cores with the same seed, for
 * ``keepkv_eta4``: decoupled PPO, eta = 4, in-flight sequences keeping their KV
   cache across weight updates (``rollout.kv_on_update=keep``).
 
+``--study`` runs the staleness study instead: the grid :data:`STUDY` of
+objective (decoupled or plain PPO) x ``trainer.n_minibatches`` (1: the ratio
+against the proximal policy is exactly 1, so decoupled PPO has no trust
+region; 4: the clip binds) x behaviour-weight mode (``cap``: clamp at 5;
+``mask``: drop tokens above 5) x eta, each row over ``--seeds`` (a seed
+changes the model's initialisation, its SFT warm start, the data order and
+the sampling), with equal trained samples (same steps and batch) and the
+same held-out problems for every row. Every finished run is written to
+``--out`` at once and skipped when the command is run again, so the study
+can be run in parts (``--rows``, ``--seeds``) and resumed after a stop. It
+prints and stores per row the mean and standard error over seeds of the
+final and the gained accuracy, samples/s and wall seconds, and plots final
+accuracy against eta (``bench/staleness.png``)::
+
+    python scripts/bench_quality.py --study --steps 250 --seeds 0,1,2
+
 Every run evaluates greedy held-out accuracy on ``--eval-size`` problems every
 ``--eval-every`` steps (and at the start). Writes ``bench/quality.json`` (every
 curve plus a summary per run: start, final and best accuracy, the accuracy
@@ -39,6 +55,22 @@ RUNS = {
     **{f"plain_eta{e}": [f"admission.max_staleness={e}", "algo.decoupled=false"] for e in (1, 2, 4, 8)},
     "keepkv_eta4": ["admission.max_staleness=4", "rollout.kv_on_update=keep"],
 }
+
+
+def study_rows() -> dict[str, list[str]]:
+    """The staleness study's grid: name -> overrides (eta = 0 is one objective: nothing is stale)."""
+    rows = {}
+    for mb in (1, 4):
+        for eta in (0, 1, 2, 4, 8):
+            common = [f"admission.max_staleness={eta}", f"trainer.n_minibatches={mb}"]
+            rows[f"decoupled_cap_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=cap"]
+            if eta > 0:
+                rows[f"decoupled_mask_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=mask"]
+                rows[f"plain_mb{mb}_eta{eta}"] = [*common, "algo.decoupled=false"]
+    return rows
+
+
+STUDY = study_rows()
 
 
 def run(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict:
@@ -89,15 +121,111 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+
+
+def study_table(runs: dict) -> dict:
+    """Per row: mean and standard error over its seeds (final accuracy, gain, samples/s, wall seconds)."""
+    table = {}
+    for row in STUDY:
+        done = [r for key, r in sorted(runs.items()) if key.rsplit("@", 1)[0] == row]
+        if not done:
+            continue
+        stats = {"seeds": [r["seed"] for r in done]}
+        for metric, get in (("final", lambda r: r["evals"][-1]["accuracy"]),
+                            ("gain", lambda r: r["evals"][-1]["accuracy"] - r["evals"][0]["accuracy"]),
+                            ("samples_per_s", lambda r: r["samples_per_s"] or 0.0),
+                            ("wall_s", lambda r: r["wall_s"] or 0.0)):
+            stats[metric], stats[f"{metric}_se"] = mean_se([get(r) for r in done])
+        table[row] = stats
+    return table
+
+
+def print_table(table: dict) -> None:
+    def pm(mean: float, se: float | None, scale: float = 100.0) -> str:
+        return f"{scale * mean:.1f}" + (f" ± {scale * se:.1f}" if se is not None else "")
+
+    print("| row | seeds | final accuracy % | gain (points) | samples/s | wall s |")
+    print("|---|---|---|---|---|---|")
+    for row, t in table.items():
+        print(f"| {row} | {len(t['seeds'])} | {pm(t['final'], t['final_se'])} | {pm(t['gain'], t['gain_se'])} | "
+              f"{pm(t['samples_per_s'], t['samples_per_s_se'], 1.0)} | {pm(t['wall_s'], t['wall_s_se'], 1.0)} |")
+
+
+def plot_study(table: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    families = sorted({row.rsplit("_eta", 1)[0] for row in table})
+    for fam in families:
+        points = sorted((int(row.rsplit("_eta", 1)[1]), t) for row, t in table.items()
+                        if row.rsplit("_eta", 1)[0] == fam)
+        ax.errorbar([e for e, _ in points], [100 * t["final"] for _, t in points],
+                    yerr=[100 * (t["final_se"] or 0.0) for _, t in points], marker="o", capsize=3,
+                    linestyle="--" if fam.startswith("plain") else "-", label=fam)
+    ax.set_xlabel("max staleness eta")
+    ax.set_ylabel("final held-out accuracy % (mean ± s.e. over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def study(args: argparse.Namespace) -> dict:
+    """The staleness study, resumable: ``args.out`` holds every finished (row, seed) run."""
+    rows = args.rows.split(",") if args.rows else list(STUDY)
+    unknown = [r for r in rows if r not in STUDY]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(STUDY)}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    saved = json.loads(args.out.read_text()) if args.out.exists() else {}
+    runs = saved.get("runs", {})
+    meta = {"steps": args.steps, "eval_every": args.eval_every, "eval_size": args.eval_size,
+            "overrides": args.overrides}
+    if runs and saved.get("meta") != meta:
+        raise SystemExit(f"{args.out} holds a study with other settings ({saved.get('meta')}); use another --out")
+    todo = [(row, seed) for seed in seeds for row in rows if f"{row}@{seed}" not in runs]
+    print(f"staleness study: {len(todo)} runs to do, {len(runs)} done ({args.out})", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, (row, seed) in enumerate(todo, 1):
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="hpcrl-study-") as tmp:
+            r = run(row, [*STUDY[row], f"seed={seed}"], args, Path(tmp))
+        r["seed"] = seed
+        runs[f"{row}@{seed}"] = r
+        acc = [e["accuracy"] for e in r["evals"]]
+        print(f"[{i}/{len(todo)}] {row} seed {seed}: {100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}%  "
+              f"{time.time() - t0:.0f}s", flush=True)
+        table = study_table(runs)
+        args.out.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
+    table = study_table(runs)
+    print_table(table)
+    plot_study(table, args.out.with_suffix(".png"))
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-size", type=int, default=500)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "quality.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (default bench/quality.json, with --study bench/staleness.json)")
+    parser.add_argument("--study", action="store_true", help="run the staleness study grid (resumable)")
+    parser.add_argument("--rows", default="", help=f"with --study: a comma-separated subset of {', '.join(STUDY)}")
+    parser.add_argument("--seeds", default="0,1,2", help="with --study: comma-separated seeds")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.study:
+        args.out = args.out or ROOT / "bench" / "staleness.json"
+        return study(args)
+    args.out = args.out or ROOT / "bench" / "quality.json"
     unknown = [n for n in args.runs.split(",") if n not in RUNS]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
