@@ -208,7 +208,8 @@ def plan(kills: int, supervisor: int, paired: int, injections: int, only: str | 
 
 def chaos(run_dir: Path, start, events: list[str], kills: int, rng: random.Random, only: str | None = None) -> dict:
     """Play ``events``; an aimed kill that found nothing to aim at lands no kill, so more kill events are drawn
-    after the schedule until ``kills`` have landed (or the run ended)."""
+    after the schedule until ``kills`` have landed (or the run ended). An injection before anything was trained
+    (nothing to copy from yet) goes back to the end of the queue."""
     counts, victims, injected, queue = Counter(), Counter(), [], list(events)
     proc = start([])
     time.sleep(8)  # let the components start once
@@ -221,8 +222,11 @@ def chaos(run_dir: Path, start, events: list[str], kills: int, rng: random.Rando
         time.sleep(rng.uniform(0.5, 2.5))
         if event == "inject":
             names = inject(run_dir, len(injected) // 4, rng)
+            if not names:  # nothing trained yet to copy from (a slow start): try again later
+                queue.append("inject")
+                continue
             injected += names
-            counts["inject"] += bool(names)
+            counts["inject"] += 1
             continue
         if event == "supervisor":
             proc.kill()
