@@ -29,7 +29,7 @@ from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepare import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.rollout.main import build_worker, write_stats
-from hpcrl.trainer.fsdp import FSDPEngine
+from hpcrl.trainer.engine import build_train_engine
 from hpcrl.trainer.main import build_rank0, resume, train_loop
 from hpcrl.weights.transport import DiskWeights
 from hpcrl.weights.version import WeightVersion
@@ -53,7 +53,8 @@ def _run(run_dir: Path) -> None:
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(prep.init_model)
-    engine = FSDPEngine(prep.init_model, cfg.trainer, cfg.algo, ctx, tokenizer.pad_token_id)
+    engine = build_train_engine(cfg.trainer.engine, prep.init_model, cfg.trainer, cfg.algo, ctx,
+                                tokenizer.pad_token_id, cfg.model.dtype)
     worker = build_worker(cfg, run_dir, prep, 0, writer=f"c-{fence.instance}", fence=fence)
     feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
     heartbeat = Heartbeat(run_dir, f"colocated@{fence.instance}", cfg.launch.heartbeat_interval_s)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import io
 import os
+import re
 import subprocess
 import sys
+import tokenize
+import typing
 from pathlib import Path
 
 import pytest
@@ -160,3 +166,60 @@ def test_rewind_and_from_are_refused_where_they_do_not_apply(tmp_path, capsys) -
     for argv, message in cases:
         assert submit_main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+# Keys read only through a property of their own config class (the property is what the code reads).
+READ_THROUGH = {"algo.eps_clip_high": "clip_high"}
+
+
+def config_keys(cls=RunConfig, prefix: str = ""):
+    """(config class, dotted key, field name) of every leaf key of the run config."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from config_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield cls, prefix + f.name, f.name
+
+
+def code_and_strings(text: str) -> tuple[str, set[str]]:
+    """A module's code with comments and string literals blanked out, and the set of its string literals."""
+    code, strings = [], set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.STRING:
+            strings.add(tok.string.strip("\"'"))
+        elif tok.type != tokenize.COMMENT:
+            code.append(tok.string)
+    return " ".join(code), strings
+
+
+def test_every_config_key_is_read_somewhere() -> None:
+    """A key that is defined, documented and validated but read by no component is a silent no-op. A key
+    counts as read when code outside its own config module (comments and docstrings aside) accesses it:
+    ``.name``, or the string ``"name"`` (getattr, dict keys); for names that are also methods of tensors,
+    paths, strings or dicts (``size``, ``partition``) an access that is not a call, and for their other
+    attributes (``dtype``, ``name``) only the qualified ``section . name`` (``cfg.model.dtype``), since
+    ``.dtype`` alone is read everywhere."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1] / "hpcrl"
+    sources = {p.resolve(): code_and_strings(p.read_text()) for p in root.rglob("*.py")}
+    types = (torch.Tensor, Path, str, dict)
+    common = {name for t in types for name in dir(t)}
+    methods = {name for t in types for name in dir(t) if callable(getattr(t, name, None))}
+    unread = []
+    for cls, key, name in config_keys():
+        home = Path(inspect.getsourcefile(cls)).resolve()
+        read, by_string = READ_THROUGH.get(key, name), False
+        if "." not in key:  # a top-level key (run_dir, seed...): cfg.<name>
+            pattern = re.compile(r"\bcfg \. " + re.escape(read) + r"\b")
+        elif read in methods:  # .partition / .size: an access that is not a call
+            pattern = re.compile(r"\. " + re.escape(read) + r"\b(?! \()")
+        elif read in common:  # .dtype / .name: only the qualified form
+            pattern = re.compile(r"\b" + re.escape(key.rsplit(".", 2)[-2]) + r" \. " + re.escape(read) + r"\b")
+        else:
+            pattern, by_string = re.compile(r"\. " + re.escape(read) + r"\b"), True
+        if not any(pattern.search(code) or (by_string and read in strings)
+                   for path, (code, strings) in sources.items() if path != home):
+            unread.append(key)
+    assert not unread, f"config keys no component reads: {unread}"

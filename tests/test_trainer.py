@@ -213,3 +213,52 @@ def test_first_update_takes_proximal_logprobs_from_its_own_forward(tmp_path, n_m
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
     for k in ref["state"]:
         torch.testing.assert_close(fast["state"][k], ref["state"][k], atol=1e-6, rtol=1e-5)
+
+
+def _dtype_rank(model_path, out, dtype: str) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer.engine import TrainEngine, build_train_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=1, total_steps=2, lr=1e-2, warmup_steps=0)
+    engine = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0, dtype=dtype)
+    assert isinstance(engine, TrainEngine)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
+    mb = B.collate(seqs, pad_id=0)
+    with torch.no_grad():
+        logp = engine._forward(mb, entropy=None)[0]
+    engine.train_step(seqs)
+    optim = [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+             and v.dim() > 0]
+    torch.save({"logp": logp, "mask": mb.mask, "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
+                "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+                "optim_dtypes": sorted({str(v.dtype) for v in optim})}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_model_dtype_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path) -> None:
+    """model.dtype=bfloat16 in the trainer: forward and backward in bf16 (FSDP2 mixed precision), parameters,
+    optimizer state, published weights and logprobs in float32; the step goes where the float32 step goes."""
+    model_path = tmp_path / "model"
+    _tiny_model(model_path)
+    ctx = mp.get_context("spawn")
+    for dtype in ("float32", "bfloat16"):
+        p = ctx.Process(target=_dtype_rank, args=(model_path, tmp_path / f"{dtype}.pt", dtype))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+    f32, b16 = torch.load(tmp_path / "float32.pt"), torch.load(tmp_path / "bfloat16.pt")
+    for run in (f32, b16):
+        assert run["param_dtypes"] == run["optim_dtypes"] == ["torch.float32"]
+        assert run["logp"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in run["state"].values())
+    valid = f32["mask"] > 0
+    gap = (f32["logp"] - b16["logp"])[valid].abs().max().item()
+    assert 1e-4 < gap < 0.1, gap  # bf16 compute: visibly coarser than float32, still the same model
+    from transformers import AutoModelForCausalLM
+
+    w0 = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+    step32 = torch.cat([(f32["state"][k] - w0[k]).flatten() for k in f32["state"]])
+    step16 = torch.cat([(b16["state"][k] - w0[k]).flatten() for k in f32["state"]])
+    assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.9

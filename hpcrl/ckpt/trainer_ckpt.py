@@ -23,19 +23,21 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
 from hpcrl.ckpt.config import CheckpointConfig
 from hpcrl.runtime.dist import DistContext
 from hpcrl.runtime.owner import Fence, NoFence
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.engine import TrainEngine
 
 log = logging.getLogger(__name__)
 
@@ -56,33 +58,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     p = state["python"]
     random.setstate((p[0], tuple(p[1]), p[2]))
-
-
-def _dcp_state(engine) -> dict[str, Any]:
-    """The sharded state DCP saves: policy and optimizer, plus the critic and its optimizer (PPO)."""
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    if getattr(engine, "critic", None) is not None:
-        state["critic"], state["critic_optim"] = get_state_dict(engine.critic, engine.critic_optimizer)
-    return state
-
-
-def _set(model, optimizer, model_sd, optim_sd) -> None:
-    if optim_sd is not None:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    else:
-        set_model_state_dict(model, model_sd)
-
-
-def _continue_schedule(scheduler, optimizer, saved: dict | None) -> None:
-    """A run started from another run's checkpoint: this run's base learning rates and schedule, at the saved
-    position when the scheduler is restored (else at 0); a loaded optimizer state's rates are replaced."""
-    if saved:
-        scheduler.last_epoch = int(saved["last_epoch"])
-    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr, base in zip(optimizer.param_groups, lrs, scheduler.base_lrs):
-        group["lr"], group["initial_lr"] = lr, base
-    scheduler._last_lr = lrs
 
 
 class Checkpointer:
@@ -108,21 +83,20 @@ class Checkpointer:
             want = bool(flag.item())
         return want
 
-    def save(self, engine, step: int, extra: dict[str, Any]) -> Path:
+    def save(self, engine: TrainEngine, step: int, extra: dict[str, Any]) -> Path:
         t0 = time.time()
         tmp, final = self.root / f"step_{step:06d}.tmp", store.step_dir(self.root, step)
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        dcp.save(_dcp_state(engine), checkpoint_id=str(tmp))
+        dcp.save(engine.checkpoint_state(), checkpoint_id=str(tmp))
         atomic.write_json(tmp / f"rng-r{self.ctx.rank}.json", rng_state())
         self._barrier()
         if self.ctx.is_main:
             atomic.write_json(tmp / "trainer.json", {
                 "step": step, "world_size": self.ctx.world_size, "config_hash": self.config_hash,
-                "scheduler": engine.scheduler.state_dict(), "engine_version": engine.version,
-                "critic_scheduler": engine.critic_scheduler.state_dict() if engine.critic_scheduler else None,
+                **engine.schedule_state(), "engine_version": engine.version,
                 "time": time.time(), "owner_epoch": self.fence.epoch, **extra})
             if self.fence.superseded():  # the step boundary that follows stops every rank
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -135,7 +109,7 @@ class Checkpointer:
         self._last_save = time.monotonic()
         return final
 
-    def restore(self, engine) -> dict[str, Any] | None:
+    def restore(self, engine: TrainEngine) -> dict[str, Any] | None:
         """Load the newest valid checkpoint into ``engine``; its trainer.json, or None if there is none.
 
         A pending rewind (:func:`hpcrl.ckpt.store.apply_rewind`) is carried out first, by rank 0."""
@@ -154,25 +128,19 @@ class Checkpointer:
             return None
         path = Path(box[0])
         meta = atomic.read_json(path / "trainer.json")
-        state = _dcp_state(engine)
+        state = engine.checkpoint_state()
         if meta.get("load") is not None:  # another run's checkpoint (--from): only the parts it names
             state = {k: v for k, v in state.items() if k in meta["load"]}
         dcp.load(state, checkpoint_id=str(path))
-        _set(engine.model, engine.optimizer, state.get("model"), state.get("optim"))
-        if engine.critic is not None and "critic" in state:
-            _set(engine.critic, engine.critic_optimizer, state["critic"], state.get("critic_optim"))
+        engine.load_checkpoint_state(state)
         engine.version = meta.get("engine_version", meta["step"])
-        if meta.get("from"):
-            _continue_schedule(engine.scheduler, engine.optimizer, meta.get("scheduler"))
-            if engine.critic_scheduler is not None:
-                _continue_schedule(engine.critic_scheduler, engine.critic_optimizer, meta.get("critic_scheduler"))
+        if meta.get("from"):  # this run's schedule, at the saved position when the scheduler was restored
+            engine.load_schedule_state(meta, position_only=True)
             log.info("starting from %s (step %d of its run): loaded %s%s", meta["from"]["checkpoint"],
                      meta["from"]["step"], ", ".join(state), ", the schedule's position" if meta.get("scheduler")
                      else "")
             return meta
-        engine.scheduler.load_state_dict(meta["scheduler"])
-        if engine.critic_scheduler is not None and meta.get("critic_scheduler"):
-            engine.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        engine.load_schedule_state(meta)
         rng_file = path / f"rng-r{self.ctx.rank}.json"
         if meta["world_size"] == self.ctx.world_size and rng_file.exists():
             set_rng_state(atomic.read_json(rng_file))

@@ -65,8 +65,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM from the local folder ``path`` (config.json + weights)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype that ``model.dtype`` names."""
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> PreTrainedModel:
+    """Load a causal LM from the local folder ``path`` (config.json + weights) with parameters in ``dtype``."""
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     p = _existing_dir(path, "model")
     if not (p / "config.json").exists():
         raise ValueError(f"model: no config.json in {p}")

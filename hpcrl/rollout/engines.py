@@ -48,7 +48,7 @@ def build_engine(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, 
         from hpcrl.model.hf_io import load_model
         from hpcrl.rollout.torch_engine import TorchEngine
 
-        return TorchEngine(model if model is not None else load_model(site.model_path),
+        return TorchEngine(model if model is not None else load_model(site.model_path, site.dtype),
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                            max_batch_size=cfg.max_batch_size, sampling=sampling, seed=seed,
                            min_admit=cfg.admit_min_free or cfg.group_size,

@@ -8,6 +8,7 @@ from typing import Literal
 
 @dataclass
 class TrainerConfig:
+    engine: Literal["fsdp"] = "fsdp"  # training backend (hpcrl.trainer.engine): fsdp = FSDP2 over all ranks
     world_size: int = 1  # trainer ranks (processes); FSDP2 shards parameters across them
     total_steps: int = 100  # training steps; the policy version after the run equals this
     lr: float = 1e-4  # peak learning rate (AdamW)

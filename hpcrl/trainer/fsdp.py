@@ -31,12 +31,19 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hpcrl.algo import (
     aggregate,
@@ -75,26 +82,40 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
 
 
 class FSDPEngine:
+    """FSDP2 implementation of :class:`hpcrl.trainer.engine.TrainEngine` (``trainer.engine: fsdp``).
+
+    Parameters, gradients and optimizer state are float32 whatever ``dtype``;
+    a ``dtype`` of bfloat16/float16 (``model.dtype``) runs forward and
+    backward in it (FSDP2's MixedPrecisionPolicy: parameters cast at
+    all-gather, gradients reduced in float32); logprobs and losses are float32.
+    """
+
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
                  pad_id: int, dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        self.model = _shard(load_model(model_path, dtype=dtype).to(ctx.device), mesh)
+        policy = None if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype,
+                                                                          reduce_dtype=torch.float32)
+
+        def shard(model: torch.nn.Module) -> torch.nn.Module:
+            return _shard(model.to(ctx.device), mesh, policy)
+
+        self.model = shard(load_model(model_path, dtype=torch.float32))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.version = 0  # policy version at the start of the next step (used by prox_approx)
         self.ref_model = None
         if algo.needs_reference:  # the frozen initial policy
-            self.ref_model = _shard(load_model(model_path, dtype=dtype).to(ctx.device), mesh).eval()
+            self.ref_model = shard(load_model(model_path, dtype=torch.float32)).eval()
             self.ref_model.requires_grad_(False)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algo.adv_estimator == "gae":
             from transformers import AutoModelForTokenClassification
 
             critic = AutoModelForTokenClassification.from_pretrained(
-                str(model_path), num_labels=1, dtype=dtype, local_files_only=True)
-            self.critic = _shard(critic.to(ctx.device), mesh)
+                str(model_path), num_labels=1, dtype=torch.float32, local_files_only=True)
+            self.critic = shard(critic)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr,
                                                       betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
@@ -344,16 +365,65 @@ class FSDPEngine:
             norm = norm.full_tensor()
         return float(norm.item())
 
+    # -- weights and checkpoints -----------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU weights on rank 0 (empty elsewhere); every rank must call it."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Sharded policy and optimizer state, plus the critic and its optimizer (PPO), for DCP."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
+        return state
 
-def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        _set(self.model, self.optimizer, state.get("model"), state.get("optim"))
+        if self.critic is not None and "critic" in state:
+            _set(self.critic, self.critic_optimizer, state["critic"], state.get("critic_optim"))
+
+    def schedule_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(),
+                "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None}
+
+    def load_schedule_state(self, saved: Mapping[str, Any], position_only: bool = False) -> None:
+        pairs = [(self.scheduler, self.optimizer, saved.get("scheduler"))]
+        if self.critic_scheduler is not None:
+            pairs.append((self.critic_scheduler, self.critic_optimizer, saved.get("critic_scheduler")))
+        for scheduler, optimizer, sd in pairs:
+            if position_only:
+                _continue_schedule(scheduler, optimizer, sd)
+            elif sd:
+                scheduler.load_state_dict(sd)
+
+
+def _set(model, optimizer, model_sd, optim_sd) -> None:
+    if model_sd is None:
+        return
+    if optim_sd is not None:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        set_model_state_dict(model, model_sd)
+
+
+def _continue_schedule(scheduler, optimizer, saved: Mapping[str, Any] | None) -> None:
+    """This run's base learning rates and schedule, at the saved position (else at 0); rates an optimizer
+    state loaded from another run carried are replaced."""
+    if saved:
+        scheduler.last_epoch = int(saved["last_epoch"])
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr, base in zip(optimizer.param_groups, lrs, scheduler.base_lrs):
+        group["lr"], group["initial_lr"] = lr, base
+    scheduler._last_lr = lrs
+
+
+def _shard(model: torch.nn.Module, mesh, policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
     """FSDP2: every decoder layer, then the root."""
     model.config.use_cache = False
+    kw = {"mp_policy": policy} if policy is not None else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model

@@ -1,7 +1,7 @@
 """The trainer component: ``python -m hpcrl.trainer --run-dir DIR`` (one process per rank).
 
 Lifecycle: read ``config.yaml`` and ``prepared.json`` from the run directory
--> join the process group -> build the FSDP2 engine from the initial policy
+-> join the process group -> build the train engine (``trainer.engine``) from the initial policy
 -> evaluate the initial policy -> the schedule below -> write ``DONE`` (rank
 0), which tells every rollout to exit.
 
@@ -54,7 +54,7 @@ from hpcrl.spool.format import TrajectoryGroup
 from hpcrl.spool.store import Spool
 from hpcrl.trainer.batch import informative_filter, to_sequences
 from hpcrl.trainer.feed import BatchFeed
-from hpcrl.trainer.fsdp import FSDPEngine
+from hpcrl.trainer.engine import TrainEngine, build_train_engine
 from hpcrl.trainer.report import Reporter
 from hpcrl.weights.transport import DiskWeights, open_transport
 
@@ -64,7 +64,7 @@ Publish = Callable[[Mapping[str, torch.Tensor], int], None]
 _PREEMPTED, _FENCED = "preempted", "fenced"
 
 
-def train_loop(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, feed: BatchFeed | None,
+def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: BatchFeed | None,
                reporter: Reporter | None, publish: Publish, wait: Callable[[], None] | None = None,
                heartbeat: Heartbeat | None = None, checkpointer: Checkpointer | None = None,
                start_version: int = 0, preempt: PreemptionFlag | None = None,
@@ -152,7 +152,7 @@ def counters(feed: BatchFeed | None, reporter: Reporter | None) -> dict:
     return {"dropped": dict(feed.dropped) if feed else {}, **(reporter.counters() if reporter else {})}
 
 
-def resume(cfg: RunConfig, ctx: DistContext, engine: FSDPEngine, checkpointer: Checkpointer,
+def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: Checkpointer,
            feed: BatchFeed | None, reporter: Reporter | None, weights: DiskWeights,
            fence: Fence | NoFence | None = None) -> int:
     """Restore the newest valid checkpoint (if any) and reconcile the run directory; the start version."""
@@ -201,7 +201,8 @@ def _run(run_dir: Path) -> None:
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(prep.init_model)
-    engine = FSDPEngine(prep.init_model, cfg.trainer, cfg.algo, ctx, tokenizer.pad_token_id)
+    engine = build_train_engine(cfg.trainer.engine, prep.init_model, cfg.trainer, cfg.algo, ctx,
+                                tokenizer.pad_token_id, cfg.model.dtype)
     feed = reporter = runner = None
     if ctx.is_main:
         feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
