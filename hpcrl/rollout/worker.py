@@ -2,9 +2,12 @@
 
 Lifecycle of one prompt group: a ticket is taken from the global admission
 ledger under the staleness bound (using the version of the weights this
-worker generates with) -> ``group_size`` requests enter the engine, whose
-continuous batching keeps every slot busy -> when all samples are done they
-are scored by the reward runner -> the group is published atomically to the
+worker generates with) -> ``group_size`` episodes start
+(:mod:`hpcrl.rollout.episodes`: with the default :class:`SingleTurn` runner
+one episode is one request of the prompt), their requests enter the engine,
+whose continuous batching keeps every slot busy -> when all episodes are
+done they are scored (the reward function, or the episodes' own rewards)
+-> the group is published atomically to the
 spool as one HDF5 file, by a writer thread while generation goes on
 (:mod:`hpcrl.rollout.publisher`; :meth:`RolloutWorker.flush` waits for it,
 :meth:`RolloutWorker.close` stops it).
@@ -16,9 +19,9 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
 2. then admission, keeping the engine's slots plus one group's worth of
    queue filled (``max_batch_size + group_size`` requests in flight);
 3. then one engine poll (one decode step of the embedded engine, a short
-   wait for responses of a server engine). A finished sample whose first token is already more
-   than ``max_staleness`` versions behind the weights in hand could never be
-   trained, so it is regenerated rather than published.
+   wait for responses of a server engine). A finished episode whose oldest token is
+   already more than ``max_staleness`` versions behind the weights in hand could never be
+   trained, so it is started again rather than published.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from hpcrl.model.hf_io import encode_prompt
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
+from hpcrl.rollout.episodes import Episode, EpisodeRunner, SingleTurn
 from hpcrl.rollout.publisher import BackgroundPublisher
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
@@ -51,7 +55,7 @@ class _Group:
     ticket: Ticket
     row: Row
     prompt_ids: list[int]
-    done: list[Completion | None]
+    done: list[Episode | None]
 
 
 @dataclass
@@ -77,11 +81,13 @@ class RolloutStats:
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
                  rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: RewardRunner, writer: str,
-                 weights: WeightTransport | None = None, chat_template: bool = False) -> None:
+                 weights: WeightTransport | None = None, chat_template: bool = False,
+                 episodes: EpisodeRunner | None = None) -> None:
         self.cfg, self.admission = cfg, admission
         self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
         self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
         self.writer, self.chat_template = writer, chat_template
+        self.episodes = episodes if episodes is not None else SingleTurn(engine, tokenizer, reward)
         self.groups: dict[int, _Group] = {}
         self.stats = RolloutStats()
         self.publisher = BackgroundPublisher(spool, self._published)
@@ -156,12 +162,12 @@ class RolloutWorker:
             self.engine.update_weights(weights)
         finally:  # a failed load (version pruned meanwhile) loses nothing: the next poll tries again
             for request in aborted:
-                self.engine.submit(Request(id=request.id, prompt_ids=request.prompt_ids))
+                self.engine.submit(request)
         for index, group in self.groups.items():
-            for i, c in enumerate(group.done):
-                if c is not None and c.versions and max(c.versions) > version:
+            for i, e in enumerate(group.done):
+                if e is not None and e.newest_version is not None and e.newest_version > version:
                     group.done[i] = None
-                    self.engine.submit(Request(id=(index, i), prompt_ids=group.prompt_ids))
+                    self.episodes.start((index, i), group.prompt_ids, group.row)
         self.stats.samples_restarted += len(aborted)
         log.warning("weights went back to version %d (trainer resumed); regenerating %d in-flight samples",
                     version, len(aborted))
@@ -179,33 +185,36 @@ class RolloutWorker:
         prompt_ids = encode_prompt(self.tokenizer, row.prompt, self.chat_template)
         self.groups[ticket.index] = _Group(ticket, row, prompt_ids, [None] * self.cfg.group_size)
         for i in range(self.cfg.group_size):
-            self.engine.submit(Request(id=(ticket.index, i), prompt_ids=prompt_ids))
+            self.episodes.start((ticket.index, i), prompt_ids, row)
 
     def _collect(self, c: Completion) -> None:
-        index, i = c.id
-        head = min(c.versions) if c.versions else self.engine.version
-        if head < self.engine.version - self.admission.max_staleness:
-            self.stats.samples_restarted += 1
-            self.engine.submit(Request(id=c.id, prompt_ids=c.prompt_ids))
+        finished = self.episodes.collect(c)
+        if finished is None:  # the episode goes on
             return
+        (index, i), episode = finished
         group = self.groups[index]
-        group.done[i] = c
+        head = episode.head_version
+        if head is not None and head < self.engine.version - self.admission.max_staleness:
+            self.stats.samples_restarted += 1
+            self.episodes.start((index, i), group.prompt_ids, group.row)
+            return
+        group.done[i] = episode
         self.stats.samples_generated += 1
-        self.stats.tokens_generated += len(c.output_ids)
+        self.stats.tokens_generated += sum(episode.loss_mask)
         if all(d is not None for d in group.done):
             self._publish(self.groups.pop(index))
 
     def _publish(self, group: _Group) -> None:
-        texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in group.done]
+        texts = [e.text for e in group.done]
         row = group.row
         t0 = time.perf_counter()
-        results = self.reward.score_many([(row.prompt, t, {"answer": row.answer, **row.extra}) for t in texts])
-        samples = [Sample(response_ids=np.asarray(c.output_ids, np.int32),
-                          behav_logprobs=np.asarray(c.logprobs, np.float32),
-                          versions=np.asarray(c.versions, np.int32),
-                          loss_mask=np.ones(len(c.output_ids), np.uint8),
-                          reward=float(r.reward), finish_reason=c.finish_reason)
-                   for c, r in zip(group.done, results)]
+        results = self.episodes.score(row, group.done)
+        samples = [Sample(response_ids=np.asarray(e.response_ids, np.int32),
+                          behav_logprobs=np.asarray(e.logprobs, np.float32),
+                          versions=np.asarray(e.versions, np.int32),
+                          loss_mask=np.asarray(e.loss_mask, np.uint8),
+                          reward=float(r.reward), finish_reason=e.finish_reason)
+                   for e, r in zip(group.done, results)]
         self.stats.reward_s += time.perf_counter() - t0
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}

@@ -1,0 +1,111 @@
+"""What one sample of a prompt group is: the episode seam of the rollout loop.
+
+The rollout loop (:class:`hpcrl.rollout.worker.RolloutWorker`) owns
+admission, weight updates, the engine's polling, the staleness check and
+publishing; how a sample comes about is an :class:`EpisodeRunner`'s
+business. Today's implementation, :class:`SingleTurn`, makes one sample
+out of one completion of the prompt and scores the group with the reward
+function; an agent runner makes one sample out of a multi-turn episode
+(several engine requests, tool results between them) that ends with its own
+reward. Both hand the loop the same :class:`Episode` records, and the loop
+turns a group of them into one spool group.
+
+Lifecycle of one episode, keyed ``(ticket index, sample index)``:
+
+1. :meth:`EpisodeRunner.start` begins it: it submits its engine requests
+   (with ids the runner can route back; the loop never looks inside them).
+2. Each finished engine request goes to :meth:`EpisodeRunner.collect`,
+   which returns the finished :class:`Episode` once the request was the
+   episode's last, else None (and submits the next request itself).
+3. When every episode of a group is finished, :meth:`EpisodeRunner.score`
+   gives their rewards, in order.
+
+A finished episode whose oldest token is too stale to be trained, or that
+holds tokens of weights the trainer has since rolled back, is started
+again from the beginning with :meth:`EpisodeRunner.start`. The loop may
+resubmit any request that :meth:`InferenceEngine.abort_all` returned, so a
+runner must tolerate the same request finishing after such a resubmission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Protocol, runtime_checkable
+
+from hpcrl.data.rows import Row
+from hpcrl.reward.runner import RewardResult, RewardRunner
+from hpcrl.rollout.engine import Completion, InferenceEngine, Request
+
+__all__ = ["Episode", "EpisodeKey", "EpisodeRunner", "SingleTurn"]
+
+EpisodeKey = tuple[int, int]  # (ticket index, sample index within the group)
+
+
+@dataclass
+class Episode:
+    """One finished sample, token by token (the response part of the trained sequence)."""
+
+    response_ids: list[int]  # every token after the prompt: model tokens and, in a multi-turn episode,
+    # the tool/user tokens between turns
+    logprobs: list[float]  # behaviour logprob per token (0.0 where loss_mask is 0)
+    versions: list[int]  # policy version that produced each token; masked context: that of the turn it precedes
+    loss_mask: list[int]  # 1 = a model token that is trained, 0 = context the model did not write
+    text: str  # the response as text (logged in the spool group's meta, given to the reward function)
+    finish_reason: str  # of the last engine request: "stop" (eos) or "length"
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if not len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n:
+            raise ValueError(f"episode: {n} tokens but {len(self.logprobs)} logprobs, {len(self.versions)} "
+                             f"versions, {len(self.loss_mask)} mask entries")
+
+    @property
+    def head_version(self) -> int | None:
+        """The oldest policy version among its tokens, as the spool file's name will carry it (None: no token)."""
+        return min(self.versions) if self.versions else None
+
+    @property
+    def newest_version(self) -> int | None:
+        return max(self.versions) if self.versions else None
+
+
+@runtime_checkable
+class EpisodeRunner(Protocol):
+    """How the samples of an admitted prompt group are produced and scored."""
+
+    def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
+        """Begin episode ``key`` on ``prompt_ids`` (the encoded prompt of ``row``): submit its requests."""
+
+    def collect(self, completion: Completion) -> tuple[EpisodeKey, Episode] | None:
+        """A finished engine request; the episode it finished, or None (the episode goes on)."""
+
+    def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
+        """Rewards of a finished group's episodes, in order."""
+
+
+class SingleTurn:
+    """One sample = one completion of the prompt, scored by the reward function (``reward.fn``).
+
+    Request ids are the episode keys; every output token is trained.
+    """
+
+    def __init__(self, engine: InferenceEngine, tokenizer, reward: RewardRunner) -> None:
+        self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
+
+    def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
+        self.engine.submit(Request(id=key, prompt_ids=prompt_ids))
+
+    def collect(self, completion: Completion) -> tuple[EpisodeKey, Episode] | None:
+        c = completion
+        text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+        return _key(c.id), Episode(response_ids=list(c.output_ids), logprobs=list(c.logprobs),
+                                   versions=list(c.versions), loss_mask=[1] * len(c.output_ids), text=text,
+                                   finish_reason=c.finish_reason)
+
+    def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
+        return self.reward.score_many([(row.prompt, e.text, {"answer": row.answer, **row.extra}) for e in episodes])
+
+
+def _key(request_id: Hashable) -> EpisodeKey:
+    index, i = request_id  # type: ignore[misc]
+    return int(index), int(i)

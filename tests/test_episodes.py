@@ -1,0 +1,122 @@
+"""The episode seam of the rollout loop: the loop publishes whatever episodes a runner assembles.
+
+A real rollout worker (the embedded torch engine on a tiny model, the admission
+ledger, the spool, the reward runner) drives a two-turn runner: each episode
+is a first completion, a fixed feedback text the model did not write, and a
+second completion on the whole conversation so far. The spool groups must
+hold every token of the episode, the feedback masked out of the loss with no
+behaviour logprob, and the runner's own rewards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hpcrl.admission.config import AdmissionConfig
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.data.rows import Row
+from hpcrl.model.hf_io import load_model, load_tokenizer
+from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
+from hpcrl.reward.config import RewardConfig
+from hpcrl.reward.runner import RewardResult, RewardRunner
+from hpcrl.rollout.config import RolloutConfig
+from hpcrl.rollout.engine import Completion, Request, SamplingParams
+from hpcrl.rollout.episodes import Episode, EpisodeRunner, SingleTurn
+from hpcrl.rollout.torch_engine import TorchEngine
+from hpcrl.rollout.worker import RolloutWorker
+from hpcrl.spool.format import read_group
+from hpcrl.spool.store import Spool
+
+FEEDBACK = " try again "
+
+
+class TwoTurn:
+    """Episode = completion 1 + FEEDBACK (masked) + completion 2; reward = the episode's total length."""
+
+    def __init__(self, engine, tokenizer) -> None:
+        self.engine, self.tokenizer, self.first = engine, tokenizer, {}
+        self.feedback = tokenizer.encode(FEEDBACK, add_special_tokens=False)
+
+    def start(self, key, prompt_ids, row) -> None:
+        self.first.pop(key, None)
+        self.engine.submit(Request(id=(*key, 0), prompt_ids=prompt_ids))
+
+    def collect(self, c: Completion):
+        key, turn = (c.id[0], c.id[1]), c.id[2]
+        if turn == 0:
+            self.first[key] = c
+            self.engine.submit(Request(id=(*key, 1), prompt_ids=[*c.prompt_ids, *c.output_ids, *self.feedback]))
+            return None
+        one, fb = self.first.pop(key), self.feedback
+        ids = [*one.output_ids, *fb, *c.output_ids]
+        return key, Episode(response_ids=ids, logprobs=[*one.logprobs, *[0.0] * len(fb), *c.logprobs],
+                            versions=[*one.versions, *[c.versions[0] if c.versions else 0] * len(fb), *c.versions],
+                            loss_mask=[1] * len(one.output_ids) + [0] * len(fb) + [1] * len(c.output_ids),
+                            text=self.tokenizer.decode(ids), finish_reason=c.finish_reason)
+
+    def score(self, row, episodes):
+        return [RewardResult(reward=float(len(e.response_ids)), status="ok") for e in episodes]
+
+
+def make_worker(tmp_path: Path, runner_cls=None) -> tuple[RolloutWorker, Spool]:
+    model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                                                     num_kv_heads=2, head_dim=16,
+                                                                     intermediate_size=64))
+    tokenizer = load_tokenizer(model_dir)
+    engine = TorchEngine(load_model(model_dir), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
+                         sampling=SamplingParams(max_new_tokens=4), seed=0)
+    rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
+    admission = AdmissionConfig(batch_size=2, max_staleness=0)
+    spool, reward = Spool(tmp_path / "spool"), RewardRunner(RewardConfig())
+    runner = runner_cls(engine, tokenizer) if runner_cls else None
+    worker = RolloutWorker(RolloutConfig(group_size=3, max_batch_size=8, max_new_tokens=4), admission,
+                           engine=engine, tokenizer=tokenizer, rows=rows,
+                           ledger=AdmissionLedger(tmp_path / "admission", admission, len(rows)), spool=spool,
+                           reward=reward, writer="w0", episodes=runner)
+    return worker, spool
+
+
+def run_to_idle(worker: RolloutWorker) -> None:
+    for _ in range(500):
+        if not worker.pump():
+            break
+    worker.close()
+
+
+def test_a_multi_turn_runner_publishes_whole_episodes_with_context_masked(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path, TwoTurn)
+    assert isinstance(worker.episodes, EpisodeRunner)
+    run_to_idle(worker)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert sorted(g.ticket for g in groups) == [0, 1]  # eta = 0, batch 2: two groups admitted, both finished
+    feedback = worker.episodes.feedback
+    for g in groups:
+        assert len(g.samples) == 3
+        for s in g.samples:
+            mask = s.loss_mask.astype(bool)
+            starts = [i for i in range(len(mask)) if not mask[i] and (i == 0 or mask[i - 1])]
+            assert len(starts) == 1 and (~mask).sum() == len(feedback)  # one masked span: the feedback
+            span = slice(starts[0], starts[0] + len(feedback))
+            assert s.response_ids[span].tolist() == feedback
+            assert np.all(s.behav_logprobs[span] == 0.0) and np.all(s.behav_logprobs[mask] < 0.0)
+            assert 1 <= mask[: starts[0]].sum() <= 4 and 1 <= mask[starts[0]:].sum() <= 4
+            assert s.reward == len(s.response_ids)  # the runner's reward, not the reward function's
+    assert worker.stats.samples_generated == 6
+    assert worker.stats.tokens_generated == sum(int(s.loss_mask.sum()) for g in groups for s in g.samples)
+
+
+def test_the_default_runner_is_one_trained_completion_per_sample(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path)
+    assert isinstance(worker.episodes, SingleTurn)
+    run_to_idle(worker)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert sorted(g.ticket for g in groups) == [0, 1]
+    for g in groups:
+        assert g.meta["responses"] == [worker.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                                       for s in g.samples]
+        for s in g.samples:
+            assert 1 <= len(s.response_ids) <= 4 and s.loss_mask.all() and np.all(s.behav_logprobs < 0.0)
+            assert s.reward in (0.0, 1.0)  # math_reward on the untrained model's text
