@@ -151,11 +151,27 @@ class Monitor(threading.Thread):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.peak, self.stopped = run_dir, Counter(), threading.Event()
+        self.crowded: list[dict] = []  # the samples that saw two processes of one role: time, role, pids
 
     def run(self) -> None:
         while not self.stopped.wait(0.02):
             for role, pids in run_processes(self.run_dir).items():
+                if len(pids) > 1:
+                    # a sweep of /proc takes time: a process read early may have exited before one read
+                    # later was started. Those still running now were all running at once.
+                    states = {p: _state(p) for p in pids}
+                    pids = [p for p in pids if states[p] not in ("Z", "gone")]
+                    if len(pids) > 1 and len(self.crowded) < 20:
+                        self.crowded.append({"time": time.time(), "role": role, "states": states})
                 self.peak[role] = max(self.peak[role], len(pids))
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` ("gone" when it no longer exists)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 def _drop_in(run_dir: Path, name: str, data: bytes) -> str:

@@ -312,7 +312,7 @@ def test_resume_after_a_supervisor_crash_never_runs_two_owners(tmp_path, cache) 
         monitor.stopped.set()
         monitor.join()
     assert done.returncode == 0, done.stderr[-4000:]
-    assert monitor.peak == {"trainer": 1, "rollout-0": 1}, monitor.peak
+    assert monitor.peak == {"trainer": 1, "rollout-0": 1}, (monitor.peak, monitor.crowded, old, done.stderr[-3000:])
     assert "taking over from owner epoch 1" in done.stderr and "stopped by itself" in done.stderr, done.stderr[-3000:]
     assert all(not Path(f"/proc/{p}").exists() for p in old["trainer"] + old["rollout-0"])
     assert "fenced:" in (run / "logs" / "trainer-r0.log").read_text()

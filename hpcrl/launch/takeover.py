@@ -40,6 +40,7 @@ from hpcrl.runtime.owner import owner_record
 from hpcrl.spool.store import Spool
 
 log = logging.getLogger(__name__)
+_PF_KTHREAD = 0x00200000  # /proc/<pid>/stat flags: a kernel thread (never one of our jobs)
 _SLURM_LIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
 
@@ -116,12 +117,17 @@ def job_alive(run_dir: Path, rec: dict) -> bool:
     rec["reach"] = "local"
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            fields = f.read().rsplit(")", 1)[1].split()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    return state != "Z" and str(run_dir) in cmdline  # a reused pid runs something else
+    state, flags = fields[0], int(fields[6])
+    if state == "Z" or flags & _PF_KTHREAD:
+        return False
+    # an exiting process has released its memory and shows an empty command line before it becomes a
+    # zombie: it still runs (its threads may still write) until then; a reused pid runs something else
+    return not cmdline or str(run_dir) in cmdline
 
 
 def kill_job(rec: dict) -> None:
