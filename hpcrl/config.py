@@ -69,6 +69,9 @@ class RunConfig:
             raise ValueError(f"algo.temperature: {self.algo.temperature} differs from rollout.temperature "
                              f"{self.rollout.temperature}; the trainer's log-probabilities must use the temperature "
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
+        if self.model.dtype == "float16" and self.trainer.engine == "fsdp":
+            raise ValueError("model.dtype: float16 training needs loss scaling, which the fsdp trainer does not do "
+                             "(its gradients would underflow); use bfloat16, or float32")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -56,6 +56,12 @@ def test_prox_approx_needs_decoupled_ppo() -> None:
         load_config(QUICK, ["algo.prox_approx=true", "algo.decoupled=false"])
 
 
+def test_float16_is_refused_for_the_fsdp_trainer_and_bfloat16_accepted() -> None:
+    assert load_config(QUICK, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"^model\.dtype: float16 training needs loss scaling"):
+        load_config(QUICK, ["model.dtype=float16"])
+
+
 def test_one_sampling_temperature_for_rollouts_and_trainer(tmp_path) -> None:
     cfg = load_config(QUICK, ["rollout.temperature=0.7"])  # the trainer scores with what the rollouts sample
     assert cfg.algo.temperature == cfg.rollout.temperature == 0.7

@@ -28,6 +28,7 @@ from hpcrl.rollout.torch_engine import TorchEngine
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
+from hpcrl.weights.version import WeightVersion
 
 FEEDBACK = " try again "
 
@@ -60,12 +61,26 @@ class TwoTurn:
         return [RewardResult(reward=float(len(e.response_ids)), status="ok") for e in episodes]
 
 
-def make_worker(tmp_path: Path, runner_cls=None) -> tuple[RolloutWorker, Spool]:
+class Versions:
+    """A weight source whose newest version the test sets; every version is the same tensors."""
+
+    def __init__(self, model, latest: int) -> None:
+        self.model, self.latest = model, latest
+
+    def latest_version(self) -> int:
+        return self.latest
+
+    def locate(self, version: int) -> WeightVersion:
+        return WeightVersion(version, state=self.model.state_dict())
+
+
+def make_worker(tmp_path: Path, runner_cls=None, weights=None) -> tuple[RolloutWorker, Spool]:
     model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
                                                                      num_kv_heads=2, head_dim=16,
                                                                      intermediate_size=64))
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(load_model(model_dir), eos_token_id=tokenizer.eos_token_id,
+    model = load_model(model_dir)
+    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
                          sampling=SamplingParams(max_new_tokens=4), seed=0)
     rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
@@ -75,7 +90,8 @@ def make_worker(tmp_path: Path, runner_cls=None) -> tuple[RolloutWorker, Spool]:
     worker = RolloutWorker(RolloutConfig(group_size=3, max_batch_size=8, max_new_tokens=4), admission,
                            engine=engine, tokenizer=tokenizer, rows=rows,
                            ledger=AdmissionLedger(tmp_path / "admission", admission, len(rows)), spool=spool,
-                           reward=reward, writer="w0", episodes=runner)
+                           reward=reward, writer="w0", episodes=runner,
+                           weights=weights(model) if weights else None)
     return worker, spool
 
 
@@ -120,3 +136,31 @@ def test_the_default_runner_is_one_trained_completion_per_sample(tmp_path) -> No
         for s in g.samples:
             assert 1 <= len(s.response_ids) <= 4 and s.loss_mask.all() and np.all(s.behav_logprobs < 0.0)
             assert s.reward in (0.0, 1.0)  # math_reward on the untrained model's text
+
+
+def test_an_episode_with_a_turn_of_rolled_back_weights_starts_again(tmp_path) -> None:
+    """The trainer resumes from an older checkpoint while episodes are between turns.
+
+    Their second turns are aborted and finish under the older weights, but
+    their first turns were written by the lost version 2: such an episode is
+    regenerated, never published beside version-1 tokens.
+    """
+    source = {}
+    worker, spool = make_worker(tmp_path, TwoTurn, weights=lambda m: source.setdefault("v", Versions(m, 2)))
+    runner = worker.episodes
+    for _ in range(200):
+        worker.pump()
+        if runner.first:
+            break
+    assert worker.engine.version == 2 and runner.first, "no episode reached its second turn"
+    between_turns = set(runner.first)
+    source["v"].latest = 1
+    run_to_idle(worker)
+    assert worker.engine.version == 1
+    groups = [read_group(e.path) for e in spool.ready()]
+    published = {(g.ticket, i): s for g in groups for i, s in enumerate(g.samples)}
+    for key in between_turns:
+        if key in published:  # its group was published after the rollback, so the episode was regenerated
+            assert published[key].versions.max() <= 1, f"episode {key} mixes lost version-2 tokens in"
+    assert any(key in published for key in between_turns)
+    assert worker.stats.samples_restarted >= len(between_turns)

@@ -194,3 +194,22 @@ def test_retention_compacts_reissues_and_prunes_set_aside_data(tmp_path) -> None
     assert counts == {"dropped_data_pruned": 3, "reissues_compacted": 4}
     assert ledger.num_reissued() == 4 and not [n for n in os.listdir(ledger.reissue_dir)]
     assert len(list(spool.dropped_dir.glob("*.reason.json"))) == 4  # the reasons stay
+
+
+def test_a_recorded_process_is_known_by_its_start_time_not_its_command_line(tmp_path) -> None:
+    """A take-over kills a recorded pid only while it is the process the registry recorded: an
+    exiting one (its command line already empty) still counts, a reused pid never does."""
+    from hpcrl.launch.takeover import job_alive, start_ticks
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # names no run dir
+    try:
+        started = start_ticks(proc.pid)
+        assert started is not None
+        rec = {"job_id": proc.pid, "scheduler": "local"}
+        assert not job_alive(tmp_path, dict(rec))  # no start time recorded: judged by its command line
+        assert job_alive(tmp_path, {**rec, "start_ticks": started})
+        assert not job_alive(tmp_path, {**rec, "start_ticks": started - 1})  # the pid now runs another process
+    finally:
+        proc.kill()
+        proc.wait()
+    assert start_ticks(proc.pid) is None and not job_alive(tmp_path, {**rec, "start_ticks": started})

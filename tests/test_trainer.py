@@ -230,6 +230,12 @@ def _dtype_rank(model_path, out, dtype: str) -> None:
     with torch.no_grad():
         logp = engine._forward(mb, entropy=None)[0]
     engine.train_step(seqs)
+    engine.load_schedule_state(engine.schedule_state())
+    try:  # a resume whose checkpoint lacks the schedule must not restart the warm-up silently
+        engine.load_schedule_state({"engine_version": 1})
+        raise AssertionError("a checkpoint without scheduler state was accepted")
+    except ValueError as e:
+        assert "no scheduler state" in str(e)
     optim = [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
              and v.dim() > 0]
     torch.save({"logp": logp, "mask": mb.mask, "state": {k: v.clone() for k, v in engine.full_state_dict().items()},

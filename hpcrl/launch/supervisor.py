@@ -54,7 +54,7 @@ from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
-from hpcrl.launch.takeover import clean_temporaries, take_over
+from hpcrl.launch.takeover import clean_temporaries, registry, start_ticks, take_over
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.runtime.owner import ENV_EPOCH, ENV_INSTANCE, Fence, Owner, claim
 from hpcrl.spool.store import Spool
@@ -209,9 +209,19 @@ def _write_registry(cfg: RunConfig, run_dir: Path, jobs: dict) -> None:
     ``srun`` pid, so its allocation and step name (as ``sacct``/``squeue --steps`` show them) are added."""
     host = socket.gethostname()
     step = {"allocation": os.environ.get("SLURM_JOB_ID")} if cfg.launch.scheduler == "srun" else {}
+    known = registry(run_dir)
+
+    def started(name: str, job, instance: str) -> dict:  # read once: the pid may be reused after it ends
+        if cfg.launch.scheduler == "slurm":
+            return {}
+        rec = known.get(name, {})
+        same = str(rec.get("job_id")) == str(job) and rec.get("instance") == instance and "start_ticks" in rec
+        return {"start_ticks": rec["start_ticks"] if same else start_ticks(int(job))}
+
     atomic.write_json(run_dir / "jobs" / "registry.json",
                       {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks,
                            "host": host, "epoch": int(s.env[ENV_EPOCH]), "instance": s.env[ENV_INSTANCE],
+                           **started(n, j, s.env[ENV_INSTANCE]),
                            **({**step, "step_name": f"hpcrl-{n}"} if step else {})}
                        for n, (j, s) in jobs.items()})
 

@@ -10,8 +10,9 @@ the run. Order:
 2. Each of those processes and jobs sees the new epoch at its next fence
    check and exits by itself without writing; the supervisor waits up to
    ``launch.takeover_timeout_s`` for that, then kills what is left: a local
-   process group by pid (only on the host that started it, and only if its
-   command line still names this run, so a reused pid is never touched), a
+   process group by pid (only on the host that started it, and only if it
+   is the process recorded, by its start time, so a reused pid is never
+   touched), a
    Slurm job by ``scancel``. A process on another host that cannot be
    signalled is reported; the fence stops it.
 3. When nothing of the previous owner runs any more, the temporaries its
@@ -122,12 +123,23 @@ def job_alive(run_dir: Path, rec: dict) -> bool:
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    state, flags = fields[0], int(fields[6])
+    state, flags, started = fields[0], int(fields[6]), int(fields[19])
     if state == "Z" or flags & _PF_KTHREAD:
         return False
-    # an exiting process has released its memory and shows an empty command line before it becomes a
-    # zombie: it still runs (its threads may still write) until then; a reused pid runs something else
+    if rec.get("start_ticks") is not None:  # the same process, not a reused pid, whatever it shows now
+        return started == int(rec["start_ticks"])
+    # (a registry without start times) an exiting process has released its memory and shows an empty
+    # command line before it becomes a zombie: it still runs until then; a reused pid runs something else
     return not cmdline or str(run_dir) in cmdline
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
 
 
 def kill_job(rec: dict) -> None:

@@ -193,8 +193,9 @@ class RolloutWorker:
             return
         (index, i), episode = finished
         group = self.groups[index]
-        head = episode.head_version
-        if head is not None and head < self.engine.version - self.admission.max_staleness:
+        head, newest = episode.head_version, episode.newest_version
+        lost = newest is not None and newest > self.engine.version  # turns of weights rolled back meanwhile
+        if lost or (head is not None and head < self.engine.version - self.admission.max_staleness):
             self.stats.samples_restarted += 1
             self.episodes.start((index, i), group.prompt_ids, group.row)
             return

@@ -85,14 +85,18 @@ class FSDPEngine:
     """FSDP2 implementation of :class:`hpcrl.trainer.engine.TrainEngine` (``trainer.engine: fsdp``).
 
     Parameters, gradients and optimizer state are float32 whatever ``dtype``;
-    a ``dtype`` of bfloat16/float16 (``model.dtype``) runs forward and
+    a ``dtype`` of bfloat16 (``model.dtype``) runs forward and
     backward in it (FSDP2's MixedPrecisionPolicy: parameters cast at
     all-gather, gradients reduced in float32); logprobs and losses are float32.
+    float16 is refused: it would need a gradient scaler.
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
                  pad_id: int, dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
+        if dtype == torch.float16:
+            raise ValueError("FSDPEngine: float16 needs loss scaling, which this engine does not do; "
+                             "use bfloat16 or float32")
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         policy = None if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype,
                                                                           reduce_dtype=torch.float32)
@@ -389,14 +393,17 @@ class FSDPEngine:
                 "critic_scheduler": self.critic_scheduler.state_dict() if self.critic_scheduler else None}
 
     def load_schedule_state(self, saved: Mapping[str, Any], position_only: bool = False) -> None:
-        pairs = [(self.scheduler, self.optimizer, saved.get("scheduler"))]
+        pairs = [(self.scheduler, self.optimizer, "scheduler")]
         if self.critic_scheduler is not None:
-            pairs.append((self.critic_scheduler, self.critic_optimizer, saved.get("critic_scheduler")))
-        for scheduler, optimizer, sd in pairs:
+            pairs.append((self.critic_scheduler, self.critic_optimizer, "critic_scheduler"))
+        for scheduler, optimizer, key in pairs:
             if position_only:
-                _continue_schedule(scheduler, optimizer, sd)
-            elif sd:
-                scheduler.load_state_dict(sd)
+                _continue_schedule(scheduler, optimizer, saved.get(key))
+            elif key in saved:
+                scheduler.load_state_dict(saved[key])
+            else:  # resuming this run without its schedule would restart the warm-up silently
+                raise ValueError(f"checkpoint has no {key} state (saved: {sorted(saved)}); "
+                                 f"it was not written by this run's trainer")
 
 
 def _set(model, optimizer, model_sd, optim_sd) -> None:
