@@ -234,6 +234,13 @@ def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path, 
     assert (run / "DONE").exists()
     trainer_log = run / "logs" / "trainer-r0.log"
     assert log_lines(trainer_log, "received SIGUSR2") and log_lines(trainer_log, "resumed from")
+    # every attempt's steps (-D): a component stopped at the walltime to be restarted ends its step
+    # COMPLETED 0:0, not FAILED 75:0
+    out = subprocess.run(["sacct", "-D", "-n", "-P", "-o", "JobID,JobName,State,ExitCode", "-j", job],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    steps = [ln.split("|") for ln in out.splitlines() if "|hpcrl-" in ln]
+    assert not [s for s in steps if s[3] == "75:0"], out
+    assert [s for s in steps if s[1] == "hpcrl-trainer" and s[2] == "COMPLETED"], out
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == het_steps and rep.unfinished == 0

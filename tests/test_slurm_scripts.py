@@ -109,3 +109,29 @@ def test_a_cancelled_job_is_classified_by_what_its_component_did_not_by_when_the
     assert "ended in state CANCELLED" in spec.log_path.read_text()
     (tmp_path / "exit.0.json").write_text('{"code": -9}')  # killed inside the job: the wrapper wrote the signal
     assert scheduler._code(job, spec, "FAILED", "") == -9
+
+
+def test_an_srun_step_stopped_to_be_restarted_ends_completed_and_hands_its_code_to_the_supervisor(tmp_path) -> None:
+    """A component that exits 75 (walltime, preemption) inside an ``srun`` step used to leave the step FAILED
+    75:0 in sacct. Each task now runs under ``slurm_job --codes``: 0 and 75 end the task 0 (COMPLETED), a
+    failure or a kill ends it the same way; the supervisor gets the component's code either way."""
+    import subprocess
+
+    from hpcrl.launch.scheduler import LocalScheduler
+    from hpcrl.launch.slurm import SrunScheduler
+    from hpcrl.runtime.owner import ENV_INSTANCE
+
+    ends = {"done": "pass", "stopped": "raise SystemExit(75)", "failed": "raise SystemExit(3)",
+            "killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"}
+    scheduler = SrunScheduler()
+    for name, code in ends.items():
+        spec = ComponentSpec(name, [sys.executable, "-c", code], tmp_path / f"{name}.log",
+                             env={ENV_INSTANCE: "e1n1"})
+        srun_argv = scheduler.command(spec).argv
+        step = srun_argv[srun_argv.index(sys.executable):]  # what each task runs, without srun in front
+        assert step[:3] == [sys.executable, "-m", "hpcrl.launch.slurm_job"] and step[-3:] == spec.argv
+        task = subprocess.run(step, env={**os.environ, "SLURM_PROCID": "0"}, timeout=60)
+        assert task.returncode == {"done": 0, "stopped": 0, "failed": 3, "killed": -9}[name]
+        job_id = LocalScheduler.submit(scheduler, ComponentSpec(name, ["true"], tmp_path / f"{name}.srun.log"))
+        scheduler._codes[job_id] = scheduler.codes_folder(spec)  # as submit() records it beside the srun
+        assert scheduler.wait(job_id, 30) == {"done": 0, "stopped": 75, "failed": 3, "killed": -9}[name]

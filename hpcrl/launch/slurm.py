@@ -54,7 +54,8 @@ import submitit
 from hpcrl import atomic
 from hpcrl.launch.config import ResourcesConfig
 from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
-from hpcrl.launch.slurm_job import RunCommand, append_note
+from hpcrl.launch.slurm_job import RESULTS, RunCommand, append_note, step_codes
+from hpcrl.runtime.owner import ENV_INSTANCE
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +255,35 @@ class SrunScheduler(LocalScheduler):
     def __init__(self, het_groups: dict[str, int] | None = None) -> None:
         super().__init__()
         self.het_groups = het_groups or {"trainer": 0, "rollout": 1}
+        self._codes: dict[str, Path] = {}  # srun pid -> the folder its tasks write their codes to
 
     def submit(self, spec: ComponentSpec) -> str:
-        return super().submit(self.command(spec))
+        job_id = super().submit(self.command(spec))
+        self._codes[job_id] = self.codes_folder(spec)
+        return job_id
+
+    def poll(self, job_id: str) -> int | None:
+        """The component's code: a step that ended COMPLETED may have been stopped to be restarted (75)."""
+        code = super().poll(job_id)
+        if code is None:
+            return None
+        codes = step_codes(self._codes[job_id]).values()  # none when srun itself failed, or a task was killed
+        failed = next((c for c in codes if c not in RESULTS), None)  # the component's own code, not srun's
+        if failed is not None:
+            return failed
+        return 75 if code == 0 and 75 in codes else code
+
+    def wait(self, job_id: str, timeout: float) -> int | None:
+        return None if super().wait(job_id, timeout) is None else self.poll(job_id)
+
+    @staticmethod
+    def codes_folder(spec: ComponentSpec) -> Path:
+        return spec.log_path.parent / "steps" / f"{spec.name}.{spec.env.get(ENV_INSTANCE, 'x')}"
 
     def command(self, spec: ComponentSpec) -> ComponentSpec:
-        """``spec`` as the local ``srun`` process that runs it as a step of this allocation."""
+        """``spec`` as the local ``srun`` process that runs it as a step of this allocation: each task runs
+        the component under :func:`hpcrl.launch.slurm_job.run_step`, which ends a step that stopped to be
+        restarted (exit 75) COMPLETED in ``sacct`` and hands the code to :meth:`poll`."""
         res = spec.resources or ResourcesConfig()
         kind = spec.name.split("-")[0]
         srun = ["srun", f"--job-name=hpcrl-{spec.name}", *([f"--comment={spec.comment}"] if spec.comment else []),
@@ -270,7 +294,8 @@ class SrunScheduler(LocalScheduler):
             srun.insert(1, f"--het-group={self.het_groups[kind]}")
         if res.gpus_per_node:
             srun.append(f"--gpus-per-node={res.gpus_per_node}")
-        return ComponentSpec(spec.name, [*srun, *container_args(res), *spec.argv],
+        step = python_module("hpcrl.launch.slurm_job", "--codes", str(self.codes_folder(spec)), "--")
+        return ComponentSpec(spec.name, [*srun, *container_args(res), *step, *spec.argv],
                              spec.log_path.with_name(f"{spec.name}.srun.log"), spec.env)
 
 
