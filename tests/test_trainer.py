@@ -268,3 +268,51 @@ def test_model_dtype_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(
     step32 = torch.cat([(f32["state"][k] - w0[k]).flatten() for k in f32["state"]])
     step16 = torch.cat([(b16["state"][k] - w0[k]).flatten() for k in f32["state"]])
     assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.9
+
+
+def _checkpointing_rank(model_path, out, checkpointing: bool) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer.engine import build_train_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=1, total_steps=2, lr=1e-2, warmup_steps=0, activation_checkpointing=checkpointing)
+    engine = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
+    mb = B.collate(seqs, pad_id=0)
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    engine.model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what autograd keeps for backward
+        logp = engine._forward(mb, entropy=None)[0]
+    (logp * mb.mask).sum().backward()
+    engine.optimizer.zero_grad(set_to_none=True)
+    calls = [0]
+    engine.model.model.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    stats = engine.train_step(seqs)
+    torch.save({"saved_bytes": saved[0], "layer_calls": calls[0], "loss": stats,
+                "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_activation_checkpointing_keeps_less_for_backward_and_takes_the_same_step(tmp_path) -> None:
+    """trainer.activation_checkpointing: autograd keeps far fewer bytes for backward, every decoder layer runs
+    its forward again in the backward pass, and the step is the step without it (recomputation is exact)."""
+    model_path = tmp_path / "model"
+    _tiny_model(model_path)
+    ctx = mp.get_context("spawn")
+    for on in (False, True):
+        p = ctx.Process(target=_checkpointing_rank, args=(model_path, tmp_path / f"ac{int(on)}.pt", on))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+    off, on = torch.load(tmp_path / "ac0.pt"), torch.load(tmp_path / "ac1.pt")
+    assert on["saved_bytes"] < 0.6 * off["saved_bytes"], (on["saved_bytes"], off["saved_bytes"])
+    assert on["layer_calls"] > off["layer_calls"] > 0  # the recompute in backward
+    for k, v in off["state"].items():
+        torch.testing.assert_close(on["state"][k], v, rtol=0, atol=1e-6)

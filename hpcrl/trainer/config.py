@@ -21,6 +21,9 @@ class TrainerConfig:
     n_minibatches: int = 1  # optimizer updates per training step (the batch is split into this many)
     micro_batch_tokens: int = 4096  # token budget of one forward/backward micro-batch (padding included)
     threads: int = 1  # torch threads per trainer rank
+    # recompute each decoder layer's activations during backward instead of keeping them (policy and
+    # critic): activation memory of a layer's inputs only, for about one more forward pass of compute
+    activation_checkpointing: bool = False
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
     batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
     # retention, applied after every checkpoint: the data of the newest this many set-aside (stale, lost,

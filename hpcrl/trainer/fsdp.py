@@ -89,6 +89,9 @@ class FSDPEngine:
     backward in it (FSDP2's MixedPrecisionPolicy: parameters cast at
     all-gather, gradients reduced in float32); logprobs and losses are float32.
     float16 is refused: it would need a gradient scaler.
+    ``trainer.activation_checkpointing`` recomputes each decoder layer in the
+    backward pass (HF gradient checkpointing, non-reentrant) of the policy
+    and the critic.
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
@@ -101,7 +104,10 @@ class FSDPEngine:
         policy = None if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype,
                                                                           reduce_dtype=torch.float32)
 
-        def shard(model: torch.nn.Module) -> torch.nn.Module:
+        def shard(model: torch.nn.Module, trained: bool = True) -> torch.nn.Module:
+            if trained and cfg.activation_checkpointing:  # inside each layer's FSDP2 hooks: the recompute
+                # all-gathers that layer again; parameter names (checkpoints, published weights) unchanged
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return _shard(model.to(ctx.device), mesh, policy)
 
         self.model = shard(load_model(model_path, dtype=torch.float32))
@@ -111,7 +117,7 @@ class FSDPEngine:
         self.version = 0  # policy version at the start of the next step (used by prox_approx)
         self.ref_model = None
         if algo.needs_reference:  # the frozen initial policy
-            self.ref_model = shard(load_model(model_path, dtype=torch.float32)).eval()
+            self.ref_model = shard(load_model(model_path, dtype=torch.float32), trained=False).eval()
             self.ref_model.requires_grad_(False)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algo.adv_estimator == "gae":
