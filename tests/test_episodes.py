@@ -10,6 +10,9 @@ behaviour logprob, and the runner's own rewards.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,28 +37,42 @@ FEEDBACK = " try again "
 
 
 class TwoTurn:
-    """Episode = completion 1 + FEEDBACK (masked) + completion 2; reward = the episode's total length."""
+    """Episode = completion 1 + FEEDBACK (masked) + completion 2; reward = the episode's total length.
 
-    def __init__(self, engine, tokenizer) -> None:
-        self.engine, self.tokenizer, self.first = engine, tokenizer, {}
+    Between the turns the episode is busy outside the engine, as an agent running a tool is: its second
+    request is made on a timer thread and queued; the runner submits it from ``finished`` (only the
+    loop's thread touches the engine)."""
+
+    def __init__(self, engine, tokenizer, think_s: float = 0.02) -> None:
+        self.engine, self.tokenizer, self.first, self.think_s = engine, tokenizer, {}, think_s
         self.feedback = tokenizer.encode(FEEDBACK, add_special_tokens=False)
+        self.waiting: queue.SimpleQueue = queue.SimpleQueue()  # requests made off the loop's thread
+        self.done: list = []
 
     def start(self, key, prompt_ids, row) -> None:
         self.first.pop(key, None)
         self.engine.submit(Request(id=(*key, 0), prompt_ids=prompt_ids))
 
-    def collect(self, c: Completion):
+    def collect(self, c: Completion) -> None:
         key, turn = (c.id[0], c.id[1]), c.id[2]
         if turn == 0:
             self.first[key] = c
-            self.engine.submit(Request(id=(*key, 1), prompt_ids=[*c.prompt_ids, *c.output_ids, *self.feedback]))
-            return None
+            second = Request(id=(*key, 1), prompt_ids=[*c.prompt_ids, *c.output_ids, *self.feedback])
+            threading.Timer(self.think_s, self.waiting.put, args=(second,)).start()
+            return
         one, fb = self.first.pop(key), self.feedback
         ids = [*one.output_ids, *fb, *c.output_ids]
-        return key, Episode(response_ids=ids, logprobs=[*one.logprobs, *[0.0] * len(fb), *c.logprobs],
-                            versions=[*one.versions, *[c.versions[0] if c.versions else 0] * len(fb), *c.versions],
-                            loss_mask=[1] * len(one.output_ids) + [0] * len(fb) + [1] * len(c.output_ids),
-                            text=self.tokenizer.decode(ids), finish_reason=c.finish_reason)
+        self.done.append((key, Episode(
+            response_ids=ids, logprobs=[*one.logprobs, *[0.0] * len(fb), *c.logprobs],
+            versions=[*one.versions, *[c.versions[0] if c.versions else 0] * len(fb), *c.versions],
+            loss_mask=[1] * len(one.output_ids) + [0] * len(fb) + [1] * len(c.output_ids),
+            text=self.tokenizer.decode(ids), finish_reason=c.finish_reason)))
+
+    def finished(self):
+        while not self.waiting.empty():
+            self.engine.submit(self.waiting.get())
+        done, self.done = self.done, []
+        return done
 
     def score(self, row, episodes):
         return [RewardResult(reward=float(len(e.response_ids)), status="ok") for e in episodes]
@@ -95,17 +112,25 @@ def make_worker(tmp_path: Path, runner_cls=None, weights=None) -> tuple[RolloutW
     return worker, spool
 
 
-def run_to_idle(worker: RolloutWorker) -> None:
-    for _ in range(500):
-        if not worker.pump():
+def run_to_idle(worker: RolloutWorker, timeout_s: float = 60.0) -> int:
+    """Pump until nothing is left to do; returns the most unfinished episodes seen at once."""
+    deadline, most = time.time() + timeout_s, 0
+    while time.time() < deadline:
+        busy = worker.pump()
+        most = max(most, worker.unfinished())
+        if not busy and not worker.unfinished():
             break
+        if not busy:
+            time.sleep(0.005)  # episodes busy outside the engine: what RolloutWorker.run does
     worker.close()
+    return most
 
 
 def test_a_multi_turn_runner_publishes_whole_episodes_with_context_masked(tmp_path) -> None:
     worker, spool = make_worker(tmp_path, TwoTurn)
     assert isinstance(worker.episodes, EpisodeRunner)
-    run_to_idle(worker)
+    most = run_to_idle(worker)
+    assert 0 < most <= 8 + 3  # episodes between turns count as load: slots + one group, never more
     groups = [read_group(e.path) for e in spool.ready()]
     assert sorted(g.ticket for g in groups) == [0, 1]  # eta = 0, batch 2: two groups admitted, both finished
     feedback = worker.episodes.feedback

@@ -13,12 +13,21 @@ turns a group of them into one spool group.
 Lifecycle of one episode, keyed ``(ticket index, sample index)``:
 
 1. :meth:`EpisodeRunner.start` begins it: it submits its engine requests
-   (with ids the runner can route back; the loop never looks inside them).
-2. Each finished engine request goes to :meth:`EpisodeRunner.collect`,
-   which returns the finished :class:`Episode` once the request was the
-   episode's last, else None (and submits the next request itself).
-3. When every episode of a group is finished, :meth:`EpisodeRunner.score`
+   (with ids the runner can route back; the loop never looks inside them),
+   or hands the episode to code of its own (an agent) that makes requests
+   as it goes.
+2. Each finished engine request goes to :meth:`EpisodeRunner.collect`.
+3. Once per turn of the loop, :meth:`EpisodeRunner.finished` returns the
+   episodes that ended since the last call: after their last request, or
+   whenever code outside the engine (tools, an agent program) finished them.
+   An episode may be busy with no request in the engine; the loop counts it
+   as work until it is returned here.
+4. When every episode of a group is finished, :meth:`EpisodeRunner.score`
    gives their rewards, in order.
+
+The loop calls every method on its own thread, the only thread that may
+touch the engine: a runner whose episodes run elsewhere queues their
+requests and submits them from :meth:`~EpisodeRunner.finished`.
 
 A finished episode whose oldest token is too stale to be trained, or that
 holds tokens of weights the trainer has since rolled back, is started
@@ -76,8 +85,11 @@ class EpisodeRunner(Protocol):
     def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
         """Begin episode ``key`` on ``prompt_ids`` (the encoded prompt of ``row``): submit its requests."""
 
-    def collect(self, completion: Completion) -> tuple[EpisodeKey, Episode] | None:
-        """A finished engine request; the episode it finished, or None (the episode goes on)."""
+    def collect(self, completion: Completion) -> None:
+        """A finished engine request of one of the runner's episodes."""
+
+    def finished(self) -> list[tuple[EpisodeKey, Episode]]:
+        """The episodes that ended since the last call (each once); may submit waiting requests."""
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         """Rewards of a finished group's episodes, in order."""
@@ -91,16 +103,21 @@ class SingleTurn:
 
     def __init__(self, engine: InferenceEngine, tokenizer, reward: RewardRunner) -> None:
         self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
+        self._done: list[tuple[EpisodeKey, Episode]] = []
 
     def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
         self.engine.submit(Request(id=key, prompt_ids=prompt_ids))
 
-    def collect(self, completion: Completion) -> tuple[EpisodeKey, Episode] | None:
+    def collect(self, completion: Completion) -> None:
         c = completion
         text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
-        return _key(c.id), Episode(response_ids=list(c.output_ids), logprobs=list(c.logprobs),
-                                   versions=list(c.versions), loss_mask=[1] * len(c.output_ids), text=text,
-                                   finish_reason=c.finish_reason)
+        self._done.append((_key(c.id), Episode(response_ids=list(c.output_ids), logprobs=list(c.logprobs),
+                                               versions=list(c.versions), loss_mask=[1] * len(c.output_ids),
+                                               text=text, finish_reason=c.finish_reason)))
+
+    def finished(self) -> list[tuple[EpisodeKey, Episode]]:
+        done, self._done = self._done, []
+        return done
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         return self.reward.score_many([(row.prompt, e.text, {"answer": row.answer, **row.extra}) for e in episodes])

@@ -17,11 +17,15 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
 1. new weights first: when a newer version is published the engine is
    interrupted and continues under it (tokens keep their versions);
 2. then admission, keeping the engine's slots plus one group's worth of
-   queue filled (``max_batch_size + group_size`` requests in flight);
+   queue filled (``max_batch_size + group_size`` unfinished episodes; one
+   request each with the default runner);
 3. then one engine poll (one decode step of the embedded engine, a short
-   wait for responses of a server engine). A finished episode whose oldest token is
-   already more than ``max_staleness`` versions behind the weights in hand could never be
-   trained, so it is started again rather than published.
+   wait for responses of a server engine), its completions handed to the
+   episode runner, and the episodes the runner finished taken from it. A
+   finished episode whose oldest token is already more than
+   ``max_staleness`` versions behind the weights in hand could never be
+   trained (and one holding tokens of rolled-back weights must not be), so
+   it is started again rather than published.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from hpcrl.data.rows import Row
 from hpcrl.model.hf_io import encode_prompt
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.config import RolloutConfig
-from hpcrl.rollout.engine import Completion, InferenceEngine, Request
-from hpcrl.rollout.episodes import Episode, EpisodeRunner, SingleTurn
+from hpcrl.rollout.engine import InferenceEngine
+from hpcrl.rollout.episodes import Episode, EpisodeKey, EpisodeRunner, SingleTurn
 from hpcrl.rollout.publisher import BackgroundPublisher
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
@@ -126,15 +130,24 @@ class RolloutWorker:
         t2 = time.perf_counter()
         self.stats.weights_s += t1 - t0
         self.stats.admit_s += t2 - t1
-        if self.engine.num_in_flight() == 0:
-            if self.publisher.pending:  # nothing to generate: make what is finished visible
+        generating = self.engine.num_in_flight() > 0
+        if generating:
+            for completion in self.engine.poll(self.cfg.poll_interval_s):
+                self.episodes.collect(completion)
+        finished = self.episodes.finished()
+        for key, episode in finished:
+            self._finish(key, episode)
+        if not generating and not finished:  # nothing generates (episodes may be busy outside the engine)
+            if self.publisher.pending:  # make what is finished visible
                 self.flush()
                 return True
             return False
-        for completion in self.engine.poll(self.cfg.poll_interval_s):
-            self._collect(completion)
         self.stats.busy_s += time.perf_counter() - t2
         return True
+
+    def unfinished(self) -> int:
+        """Episodes started and not finished yet: the loop's load, whatever each one waits for."""
+        return sum(d is None for group in self.groups.values() for d in group.done)
 
     # -- steps of the loop -----------------------------------------------------
     def _maybe_update_weights(self) -> None:
@@ -173,8 +186,8 @@ class RolloutWorker:
                     version, len(aborted))
 
     def _admit(self) -> None:
-        in_flight_cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
-        while self.engine.num_in_flight() < in_flight_cap:
+        cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
+        while self.unfinished() < cap:
             ticket = self.ledger.try_admit(self.engine.version, self.writer)
             if ticket is None:
                 return
@@ -187,11 +200,8 @@ class RolloutWorker:
         for i in range(self.cfg.group_size):
             self.episodes.start((ticket.index, i), prompt_ids, row)
 
-    def _collect(self, c: Completion) -> None:
-        finished = self.episodes.collect(c)
-        if finished is None:  # the episode goes on
-            return
-        (index, i), episode = finished
+    def _finish(self, key: EpisodeKey, episode: Episode) -> None:
+        index, i = key
         group = self.groups[index]
         head, newest = episode.head_version, episode.newest_version
         lost = newest is not None and newest > self.engine.version  # turns of weights rolled back meanwhile
