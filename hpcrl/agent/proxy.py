@@ -1,0 +1,384 @@
+"""An OpenAI-compatible HTTP proxy in front of a rollout's engine that records every call at token level.
+
+An agent program keeps talking to an OpenAI-style endpoint (``base_url``
+plus an API key) and does not know it is being trained; the proxy turns its
+calls into engine requests and keeps, per session, what the trainer needs:
+prompt ids, output ids, behaviour logprobs and the policy version of every
+output token (:class:`Call`). :func:`hpcrl.agent.export.concat` turns a
+session's calls into one training :class:`~hpcrl.rollout.episodes.Episode`.
+
+Endpoints (FastAPI; what differs from OpenAI is listed in docs/agents.md):
+
+- ``GET /v1/models``;
+- ``POST /v1/completions``: ``prompt`` as text or token ids, ``max_tokens``,
+  ``n``, ``stop``, ``logprobs``, ``stream``;
+- ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's
+  chat template (a plain ``role: content`` template when it has none),
+  ``tools`` / ``tool_choice`` with Qwen-style ``<tool_call>{json}</tool_call>``
+  output parsed into ``tool_calls``, tool results as ``role: tool``
+  messages, ``max_tokens`` / ``max_completion_tokens``, ``n``, ``stop``,
+  ``logprobs``, ``stream`` (the reply is sent as server-sent events once it
+  is complete).
+
+Sampling is the run's: a request's ``temperature`` / ``top_p`` are accepted
+and not applied, since the trainer's logprobs assume the rollout's sampling.
+
+A continuation is exact at token level: when a chat request's messages
+start with an earlier call's messages and the assistant reply the proxy gave
+for it, the new prompt is that call's prompt and output token ids followed
+by the rendering of what was added, never a re-tokenisation of the reply.
+
+Lifecycle: build one :class:`AgentProxy` per rollout job with a ``generate``
+coroutine (prompt ids, max new tokens -> a finished
+:class:`~hpcrl.rollout.engine.Completion`); :meth:`AgentProxy.open` gives
+each episode its own API key (a session), :meth:`AgentProxy.close` ends it
+and returns its calls. Requests whose key is not an open session get 401,
+malformed bodies 400, both in OpenAI's error shape; no response carries a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Hashable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hpcrl.rollout.engine import Completion
+
+__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "parse_tool_calls"]
+
+log = logging.getLogger(__name__)
+
+Generate = Callable[[list[int], int], Awaitable[Completion]]
+
+# for tokenizers without a chat template (the tiny test models): one line per message, the eos token ends a turn
+PLAIN_CHAT_TEMPLATE = (
+    "{% if tools %}system: tools {{ tools | tojson }}{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m.get('tool_calls') %}{% for t in m['tool_calls'] %}<tool_call>"
+    "{\"name\": {{ t['function']['name'] | tojson }}, \"arguments\": {{ t['function']['arguments'] }}}"
+    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+@dataclass
+class Call:
+    """One completion the proxy served: what the trainer needs of it, and what the agent was sent."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # as generated (the eos token included when it stopped on eos), cut after a stop string
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    messages: list[dict] | None = None  # chat calls: the request's messages, normalised
+    reply: dict | None = None  # chat calls: the assistant message returned, normalised
+
+
+@dataclass
+class Session:
+    """The calls of one episode, in the order they finished."""
+
+    key: str
+    episode: Hashable
+    calls: list[Call] = field(default_factory=list)
+    opened: float = field(default_factory=time.time)
+
+
+# -- request bodies ------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=64)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
+
+
+def _error(status: int, message: str, code: str | None, param: str | None = None,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+class AgentProxy:
+    """The proxy's state (sessions, the tokenizer, the engine's ``generate``) and its FastAPI ``app``."""
+
+    def __init__(self, tokenizer, generate: Generate, *, model_name: str = "hpcrl-policy",
+                 max_tokens: int = 256) -> None:
+        self.tokenizer, self.generate = tokenizer, generate
+        self.model_name, self.max_tokens = model_name, max_tokens
+        self.sessions: dict[str, Session] = {}
+        self.template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
+        self.app = self._build_app()
+
+    # -- sessions ------------------------------------------------------------------
+    def open(self, episode: Hashable) -> str:
+        """A new session for ``episode``; its API key."""
+        key = "sk-hpcrl-" + secrets.token_urlsafe(24)
+        self.sessions[key] = Session(key, episode)
+        return key
+
+    def close(self, key: str) -> Session:
+        """End a session (later calls with its key get 401); its calls."""
+        return self.sessions.pop(key)
+
+    def _session(self, request: Request) -> Session:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        session = self.sessions.get(key)
+        if session is None:
+            raise ProxyError(401, "no open episode has this API key" if key else "missing API key (Bearer)",
+                             "invalid_api_key")
+        return session
+
+    # -- rendering -----------------------------------------------------------------
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.template,
+                                                  add_generation_prompt=generation_prompt, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_prompt(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Token ids of a chat request's prompt, continuing the longest earlier call it extends exactly."""
+        full = self.render(messages, tools, True)
+        for call in sorted(session.calls, key=lambda c: -len(c.messages or [])):
+            if call.messages is None or messages[:len(call.messages) + 1] != [*call.messages, call.reply]:
+                continue
+            head = self.render([*call.messages, call.reply], tools, False)
+            asked = self.render(call.messages, tools, True)
+            said = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
+            if not (full.startswith(head) and head.startswith(asked)):
+                continue  # a template that does not render turn by turn: render from scratch
+            reply_text = head[len(asked):]
+            trailer = reply_text[len(said):] if reply_text.startswith(said) else ""  # e.g. the newline after eos
+            return [*call.prompt_ids, *call.output_ids, *self.encode(trailer + full[len(head):])]
+        return self.encode(full)
+
+    # -- generation ----------------------------------------------------------------
+    async def _complete(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]) -> Call:
+        if not prompt_ids:
+            raise ProxyError(400, "the prompt is empty", "empty_prompt", "prompt")
+        c = await self.generate(prompt_ids, min(max_tokens or self.max_tokens, self.max_tokens))
+        out, logprobs, versions, reason = list(c.output_ids), list(c.logprobs), list(c.versions), c.finish_reason
+        if stop:
+            cut = self._stop_at(out, stop)
+            if cut is not None:
+                out, logprobs, versions, reason = out[:cut], logprobs[:cut], versions[:cut], "stop"
+        return Call(list(prompt_ids), out, logprobs, versions, reason)
+
+    def _stop_at(self, ids: list[int], stop: list[str]) -> int | None:
+        """Tokens to keep: up to the one that completes the first stop string (None: no stop string)."""
+        for k in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if any(s and s in text for s in stop):
+                return k
+        return None
+
+    def _text(self, ids: list[int], stop: list[str]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [text.index(s) for s in stop if s and s in text]
+        return text[:min(hits)] if hits else text
+
+    def _token_logprobs(self, call: Call) -> list[dict]:
+        toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_ids]
+        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(toks, call.logprobs)]
+
+    # -- the app -------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="hpcrl agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ProxyError)
+        async def proxy_error(_r: Request, e: ProxyError) -> JSONResponse:
+            return _error(e.status, e.message, e.code, e.param, e.kind)
+
+        @app.exception_handler(RequestValidationError)
+        async def bad_body(_r: Request, e: RequestValidationError) -> JSONResponse:
+            first = e.errors()[0] if e.errors() else {}
+            where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+            return _error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}",
+                          "invalid_request", where or None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+            return _error(e.status_code, str(e.detail), None)
+
+        @app.exception_handler(Exception)
+        async def internal(_r: Request, e: Exception) -> JSONResponse:
+            log.exception("agent proxy: request failed")
+            return _error(500, f"internal error ({type(e).__name__})", "internal_error", kind="server_error")
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> dict:
+            self._session(request)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                 "owned_by": "hpcrl"}]}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request):
+            session = self._session(request)
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise ProxyError(400, "one prompt per request", "invalid_request", "prompt")
+                prompt = prompt[0]
+            ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            stop = _stops(body.stop)
+            calls = [await self._complete(ids, body.max_tokens, stop) for _ in range(body.n)]
+            session.calls.extend(calls)
+            choices = [{"index": i, "text": self._text(c.output_ids, stop), "finish_reason": c.finish_reason,
+                        "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None}
+                       for i, c in enumerate(calls)]
+            out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                   "model": self.model_name, "choices": choices, "usage": _usage(ids, calls)}
+            return _sse([{**out, "choices": [ch]} for ch in choices]) if body.stream else out
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatBody, request: Request):
+            session = self._session(request)
+            messages = [_normalise(m) for m in body.messages]
+            tools = None if body.tool_choice == "none" else body.tools
+            ids = self.chat_prompt(session, messages, tools)
+            stop = _stops(body.stop)
+            choices, calls = [], []
+            for i in range(body.n):
+                call = await self._complete(ids, body.max_completion_tokens or body.max_tokens, stop)
+                text = self._text(call.output_ids, stop)
+                content, tool_calls = parse_tool_calls(text) if tools else (text, [])
+                reply = {"role": "assistant", "content": content or None}
+                if tool_calls:
+                    reply["tool_calls"] = tool_calls
+                    call.finish_reason = "tool_calls" if call.finish_reason == "stop" else call.finish_reason
+                call.messages, call.reply = messages, _normalise(reply)
+                calls.append(call)
+                choices.append({"index": i, "message": reply, "finish_reason": call.finish_reason,
+                                "logprobs": {"content": self._token_logprobs(call)} if body.logprobs else None})
+            session.calls.extend(calls)
+            out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                   "model": self.model_name, "choices": choices, "usage": _usage(ids, calls)}
+            return _chat_stream(out) if body.stream else out
+
+        return app
+
+    def _completion_logprobs(self, call: Call) -> dict:
+        toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_ids]
+        return {"tokens": toks, "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` spans of ``text`` as OpenAI
+    ``tool_calls``, and the text outside them. A span that is not such JSON stays in the text."""
+    calls, kept, pos = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    kept.append(text[pos:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _normalise(message: dict) -> dict:
+    """A message as compared for continuations: role, content (text parts joined), tool calls without ids."""
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out = {"role": message.get("role"), "content": content or None}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "function": {
+            "name": t["function"]["name"], "arguments": _canonical_args(t["function"].get("arguments", "{}"))}}
+            for t in message["tool_calls"]]
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+def _canonical_args(args: Any) -> str:
+    try:
+        return json.dumps(json.loads(args) if isinstance(args, str) else args)
+    except ValueError:
+        return str(args)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _usage(prompt_ids: list[int], calls: list[Call]) -> dict:
+    completion = sum(len(c.output_ids) for c in calls)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
+
+
+def _sse(chunks: list[dict]) -> StreamingResponse:
+    async def events():
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _chat_stream(out: dict) -> StreamingResponse:
+    """A finished chat completion as ``chat.completion.chunk`` events: role, content, tool calls, finish."""
+    base = {"id": out["id"], "object": "chat.completion.chunk", "created": out["created"], "model": out["model"]}
+    chunks = []
+    for ch in out["choices"]:
+        i, msg = ch["index"], ch["message"]
+        chunks.append({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]})
+        if msg.get("content"):
+            chunks.append({**base, "choices": [{"index": i, "delta": {"content": msg["content"]},
+                                                "logprobs": ch["logprobs"], "finish_reason": None}]})
+        for k, t in enumerate(msg.get("tool_calls", [])):
+            chunks.append({**base, "choices": [{"index": i, "delta": {"tool_calls": [{"index": k, **t}]},
+                                                "finish_reason": None}]})
+        chunks.append({**base, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"]}]})
+    return _sse(chunks)

@@ -1,0 +1,183 @@
+"""The agent proxy through the official ``openai`` client, and the concat export of a session.
+
+The proxy runs for real (FastAPI under uvicorn on a loopback port) in front
+of a scripted engine: each call outputs the next scripted text, token by
+token with the tiny model's character tokenizer, logprob -0.5 and the
+engine's current version per token. That makes every token id of a
+multi-turn episode known in advance, so the export is checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from hpcrl.agent.export import concat  # noqa: E402
+from hpcrl.agent.proxy import AgentProxy, parse_tool_calls  # noqa: E402
+from hpcrl.model.tiny import build_char_tokenizer  # noqa: E402
+from hpcrl.rollout.engine import Completion  # noqa: E402
+from hpcrl.runtime.dist import free_port  # noqa: E402
+
+EOS = 1
+
+
+class ScriptedEngine:
+    """``generate`` for the proxy: the next scripted text (+ eos), at the version set by the test."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.script, self.version, self.asked = tokenizer, [], 0, []
+
+    async def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:
+        self.asked.append(list(prompt_ids))
+        await asyncio.sleep(0.01)  # let concurrent sessions interleave
+        ids = [*self.tokenizer.encode(self.script.pop(0), add_special_tokens=False), EOS][:max_new_tokens]
+        return Completion(id=None, prompt_ids=list(prompt_ids), output_ids=ids, logprobs=[-0.5] * len(ids),
+                          versions=[self.version] * len(ids), finish_reason="stop" if ids[-1] == EOS else "length")
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = build_char_tokenizer()
+    engine = ScriptedEngine(tokenizer)
+    proxy = AgentProxy(tokenizer, engine.generate, max_tokens=128)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(proxy.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "proxy did not start"
+        time.sleep(0.05)
+    yield proxy, engine, f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(10)
+
+
+def client(base_url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+
+def test_chat_completions_models_and_streaming(served) -> None:
+    proxy, engine, url = served
+    key = proxy.open(("t", 0))
+    c = client(url, key)
+    assert [m.id for m in c.models.list().data] == ["hpcrl-policy"]
+    engine.script += ["4", "5"]
+    r = c.chat.completions.create(model="hpcrl-policy", messages=[{"role": "user", "content": "2+2="}],
+                                  logprobs=True, temperature=0.7)
+    assert r.choices[0].message.content == "4" and r.choices[0].finish_reason == "stop"
+    assert [t.logprob for t in r.choices[0].logprobs.content] == [-0.5, -0.5]  # "4" and eos
+    assert r.usage.completion_tokens == 2
+    prompt = proxy.tokenizer.decode(engine.asked[-1], skip_special_tokens=False)
+    assert prompt == "user: 2+2=<eos>\nassistant: "  # the plain template of a tokenizer without one
+    chunks = list(c.chat.completions.create(model="x", messages=[{"role": "user", "content": "2+3="}], stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "5"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    engine.script += ["42"]
+    t = c.completions.create(model="x", prompt="6*7=", max_tokens=8, logprobs=1)
+    assert t.choices[0].text == "42" and t.choices[0].logprobs.token_logprobs == [-0.5] * 3
+    calls = proxy.close(key).calls
+    assert len(calls) == 3 and calls[2].prompt_ids == proxy.tokenizer.encode("6*7=", add_special_tokens=False)
+
+
+def test_unknown_keys_and_malformed_bodies_get_openai_errors(served) -> None:
+    proxy, engine, url = served
+    asked = len(engine.asked)
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(url, "sk-nobody").chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    key = proxy.open(("t", 1))
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url, key).chat.completions.create(model="x", messages=[])
+    assert e.value.status_code == 400 and "messages" in e.value.body["message"]
+    raw = httpx.post(f"{url}/chat/completions", content=b"{not json", timeout=10,
+                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in raw.text
+    proxy.close(key)
+    with pytest.raises(openai.AuthenticationError):  # a closed session's key is dead
+        client(url, key).models.list()
+    assert len(engine.asked) == asked  # none of these reached the engine
+
+
+def test_a_three_turn_tool_episode_exports_exact_tokens_and_masks(served) -> None:
+    """Turn 1 calls a tool, turn 2 answers wrongly and hears so, turn 3 answers: the concat export is the
+    first prompt, then each turn's output (trained) with the tool result and feedback between (masked)."""
+    proxy, engine, url = served
+    tok = proxy.tokenizer
+    key = proxy.open(("t", 2))
+    c = client(url, key)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    call = '<tool_call>{"name": "calc", "arguments": {"e": "2*21"}}</tool_call>'
+    engine.script += [call, "41", "42"]
+    messages = [{"role": "user", "content": "2*21?"}]
+    engine.version = 3
+    r1 = c.chat.completions.create(model="x", messages=messages, tools=tools)
+    tc = r1.choices[0].message.tool_calls
+    assert r1.choices[0].finish_reason == "tool_calls" and tc[0].function.name == "calc"
+    assert json.loads(tc[0].function.arguments) == {"e": "2*21"}
+    messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tc[0].id, "content": "42"}]
+    engine.version = 4  # the policy moved on between turns
+    r2 = c.chat.completions.create(model="x", messages=messages, tools=tools)
+    messages += [{"role": "assistant", "content": r2.choices[0].message.content},
+                 {"role": "user", "content": "wrong"}]
+    r3 = c.chat.completions.create(model="x", messages=messages, tools=tools)
+    assert r3.choices[0].message.content == "42"
+    calls = proxy.close(key).calls
+    p1, p2, p3 = engine.asked[-3:]
+    out1 = [*tok.encode(call, add_special_tokens=False), EOS]
+    assert p2[:len(p1) + len(out1)] == p1 + out1  # the model's own tokens, not a re-rendering of its tool call
+    out2 = [*tok.encode("41", add_special_tokens=False), EOS]
+    assert p3[:len(p2) + len(out2)] == p2 + out2
+    ex = concat(calls)
+    assert ex.turns == 3 and ex.off_branch == 0 and ex.prompt_ids == p1
+    gap1, gap2 = p2[len(p1) + len(out1):], p3[len(p2) + len(out2):]
+    assert tok.decode(gap1, skip_special_tokens=False) == "\ntool: 42<eos>\nassistant: "
+    assert tok.decode(gap2, skip_special_tokens=False) == "\nuser: wrong<eos>\nassistant: "
+    out3 = [*tok.encode("42", add_special_tokens=False), EOS]
+    e = ex.episode
+    assert e.response_ids == out1 + gap1 + out2 + gap2 + out3
+    assert e.loss_mask == [1] * len(out1) + [0] * len(gap1) + [1] * len(out2) + [0] * len(gap2) + [1] * len(out3)
+    assert e.logprobs == [-0.5] * len(out1) + [0.0] * len(gap1) + [-0.5] * len(out2) + [0.0] * len(gap2) + \
+        [-0.5] * len(out3)
+    assert e.versions[:len(out1)] == [3] * len(out1) and set(e.versions[len(out1):]) == {4}
+    assert e.finish_reason == "stop"
+
+
+def test_concurrent_sessions_are_kept_apart(served) -> None:
+    proxy, engine, url = served
+    keys = [proxy.open(("t", 10 + i)) for i in range(4)]
+    engine.script += [str(i) for i in range(8)]
+
+    async def episode(key: str, i: int) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        for turn in range(2):
+            await c.chat.completions.create(model="x", messages=[{"role": "user", "content": f"s{i}t{turn}"}])
+        await c.close()
+
+    async def all_episodes() -> None:
+        await asyncio.gather(*(episode(k, i) for i, k in enumerate(keys)))
+
+    asyncio.run(all_episodes())
+    for i, key in enumerate(keys):
+        calls = proxy.close(key).calls
+        prompts = [proxy.tokenizer.decode(c.prompt_ids, skip_special_tokens=False) for c in calls]
+        assert prompts == [f"user: s{i}t0<eos>\nassistant: ", f"user: s{i}t1<eos>\nassistant: "]
+
+
+def test_tool_call_parsing_keeps_what_is_not_a_call() -> None:
+    text, calls = parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> '
+                                   '<tool_call>not json</tool_call>')
+    assert [c["function"]["name"] for c in calls] == ["f"] and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    assert text == "ok  <tool_call>not json</tool_call>"
+    assert parse_tool_calls("plain") == ("plain", [])
