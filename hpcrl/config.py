@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpcrl import atomic
 from hpcrl.admission.config import AdmissionConfig
+from hpcrl.agent.config import AgentConfig
 from hpcrl.algo.config import AlgoConfig
 from hpcrl.ckpt.config import CheckpointConfig, InitConfig
 from hpcrl.data.config import DataConfig
@@ -57,6 +58,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

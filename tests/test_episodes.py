@@ -49,6 +49,9 @@ class TwoTurn:
         self.waiting: queue.SimpleQueue = queue.SimpleQueue()  # requests made off the loop's thread
         self.done: list = []
 
+    def max_unfinished(self, slots: int) -> int:
+        return slots
+
     def start(self, key, prompt_ids, row) -> None:
         self.first.pop(key, None)
         self.engine.submit(Request(id=(*key, 0), prompt_ids=prompt_ids))
@@ -76,6 +79,9 @@ class TwoTurn:
 
     def score(self, row, episodes):
         return [RewardResult(reward=float(len(e.response_ids)), status="ok") for e in episodes]
+
+    def close(self) -> None:
+        pass
 
 
 class Versions:

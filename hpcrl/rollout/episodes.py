@@ -61,6 +61,9 @@ class Episode:
     loss_mask: list[int]  # 1 = a model token that is trained, 0 = context the model did not write
     text: str  # the response as text (logged in the spool group's meta, given to the reward function)
     finish_reason: str  # of the last engine request: "stop" (eos) or "length"
+    # the episode's own prompt, when it is not the group's encoded row prompt (an agent writes its own system
+    # and user turns); the loop publishes the group's common prefix as the prompt, the rest loss-masked
+    prompt_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -85,6 +88,9 @@ class EpisodeRunner(Protocol):
     def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
         """Begin episode ``key`` on ``prompt_ids`` (the encoded prompt of ``row``): submit its requests."""
 
+    def max_unfinished(self, slots: int) -> int:
+        """How many unfinished episodes the loop may keep; ``slots`` is the engine's batch plus one group."""
+
     def collect(self, completion: Completion) -> None:
         """A finished engine request of one of the runner's episodes."""
 
@@ -93,6 +99,9 @@ class EpisodeRunner(Protocol):
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         """Rewards of a finished group's episodes, in order."""
+
+    def close(self) -> None:
+        """Stop what the runner started (the loop's :meth:`~hpcrl.rollout.worker.RolloutWorker.close` calls it)."""
 
 
 class SingleTurn:
@@ -104,6 +113,9 @@ class SingleTurn:
     def __init__(self, engine: InferenceEngine, tokenizer, reward: RewardRunner) -> None:
         self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
         self._done: list[tuple[EpisodeKey, Episode]] = []
+
+    def max_unfinished(self, slots: int) -> int:
+        return slots  # one request each: the engine's slots and one group queued
 
     def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
         self.engine.submit(Request(id=key, prompt_ids=prompt_ids))
@@ -118,6 +130,9 @@ class SingleTurn:
     def finished(self) -> list[tuple[EpisodeKey, Episode]]:
         done, self._done = self._done, []
         return done
+
+    def close(self) -> None:
+        """Nothing of its own: the engine and the reward runner belong to the rollout job."""
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         return self.reward.score_many([(row.prompt, e.text, {"answer": row.answer, **row.extra}) for e in episodes])

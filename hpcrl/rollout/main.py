@@ -67,9 +67,23 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     except BaseException:
         reward.close()
         raise
+    try:
+        episodes = _agent_episodes(cfg, engine, tokenizer) if cfg.agent.fn else None
+    except BaseException:
+        engine.close()
+        reward.close()
+        raise
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
-                         chat_template=cfg.data.chat_template)
+                         chat_template=cfg.data.chat_template, episodes=episodes)
+
+
+def _agent_episodes(cfg: RunConfig, engine, tokenizer):
+    """agent.fn set: each sample is an episode of that function against this job's proxy (hpcrl.agent)."""
+    from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # fastapi/uvicorn only where agents run
+
+    return AgentEpisodes(engine, tokenizer, cfg.agent, load_agent_fn(cfg.agent.fn),
+                         max_tokens=cfg.rollout.max_new_tokens)
 
 
 def _visible_gpus(requested: int) -> int:

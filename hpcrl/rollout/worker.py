@@ -111,8 +111,11 @@ class RolloutWorker:
         self.stats.spool_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Publish what is pending and stop the writer thread."""
-        self.publisher.close()
+        """Publish what is pending, stop the writer thread and close the episode runner."""
+        try:
+            self.publisher.close()
+        finally:
+            self.episodes.close()
 
     def release_unfinished(self) -> int:
         """Hand the tickets of unfinished groups back to the ledger (graceful exit); returns the count."""
@@ -186,7 +189,7 @@ class RolloutWorker:
                     version, len(aborted))
 
     def _admit(self) -> None:
-        cap = self.cfg.max_batch_size + self.cfg.group_size  # every slot busy, one group queued
+        cap = self.episodes.max_unfinished(self.cfg.max_batch_size + self.cfg.group_size)
         while self.unfinished() < cap:
             ticket = self.ledger.try_admit(self.engine.version, self.writer)
             if ticket is None:
@@ -220,20 +223,41 @@ class RolloutWorker:
         row = group.row
         t0 = time.perf_counter()
         results = self.episodes.score(row, group.done)
-        samples = [Sample(response_ids=np.asarray(e.response_ids, np.int32),
-                          behav_logprobs=np.asarray(e.logprobs, np.float32),
-                          versions=np.asarray(e.versions, np.int32),
-                          loss_mask=np.asarray(e.loss_mask, np.uint8),
+        prompt_ids, heads = self._prompt(group)
+        samples = [Sample(response_ids=np.asarray([*head, *e.response_ids], np.int32),
+                          behav_logprobs=np.asarray([*[0.0] * len(head), *e.logprobs], np.float32),
+                          versions=np.asarray([*[e.versions[0] if e.versions else self.engine.version] * len(head),
+                                               *e.versions], np.int32),
+                          loss_mask=np.asarray([*[0] * len(head), *e.loss_mask], np.uint8),
                           reward=float(r.reward), finish_reason=e.finish_reason)
-                   for e, r in zip(group.done, results)]
+                   for e, head, r in zip(group.done, heads, results)]
         self.stats.reward_s += time.perf_counter() - t0
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
         t0 = time.perf_counter()
         self.publisher.submit(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
-                                              prompt_ids=np.asarray(group.prompt_ids, np.int32),
+                                              prompt_ids=np.asarray(prompt_ids, np.int32),
                                               samples=samples, meta=meta))
         self.stats.spool_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _prompt(group: _Group) -> tuple[list[int], list[list[int]]]:
+        """The group's prompt and, per episode, the start of its own prompt beyond it (loss-masked context).
+
+        Episodes with a prompt of their own (agents) share the longest common prefix of those prompts;
+        an episode without tokens adds nothing to the sample and is left out of the comparison."""
+        own = [e.prompt_ids for e in group.done if e.prompt_ids is not None and e.response_ids]
+        if not own:
+            return list(group.prompt_ids), [[] for _ in group.done]
+        n = min(len(p) for p in own)
+        for p in own[1:]:
+            n = next((i for i in range(n) if p[i] != own[0][i]), n)
+        if n == 0:
+            raise ValueError(f"ticket {group.ticket.index}: the episodes' own prompts share no first token, so "
+                             "they cannot be one prompt group (give every episode of a row the same opening)")
+        prompt = list(own[0][:n])
+        return prompt, [list(e.prompt_ids[n:]) if e.prompt_ids is not None and e.response_ids else []
+                        for e in group.done]
 
     def _published(self, group: TrajectoryGroup, seconds: float) -> None:  # on the writer thread
         self.stats.spool_write_s += seconds

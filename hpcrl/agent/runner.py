@@ -1,0 +1,197 @@
+"""Agent episodes: one sample = one run of the user's agent function against the rollout's proxy.
+
+:class:`AgentEpisodes` is an :class:`~hpcrl.rollout.episodes.EpisodeRunner`.
+It owns a background thread with an asyncio loop that serves the
+:class:`~hpcrl.agent.proxy.AgentProxy` (uvicorn, loopback) and runs the
+episodes: ``await fn(data, base_url=..., api_key=...)`` with the dataset row
+as ``data`` and a session key of the episode's own (never process-wide
+environment variables, which would race between concurrent episodes).
+
+Lifecycle:
+
+1. Built by the rollout job (``agent.fn`` set); the proxy is listening when
+   the constructor returns.
+2. ``start(key, ...)`` schedules an episode on the loop. Its engine calls
+   become requests queued for the rollout loop's thread, which submits them
+   in ``finished()``; their completions come back through ``collect()``.
+3. When the function returns (its float is the reward), raises, or runs past
+   ``agent.timeout_s`` (reward 0 then), the session is closed and its calls
+   exported (:func:`hpcrl.agent.export.concat`); ``finished()`` hands the
+   episode to the loop with its own prompt. An episode that made no call is
+   an empty sample with reward 0. Outcomes are counted in ``stats``.
+4. A restarted key (stale, or tokens of rolled-back weights) starts a new
+   run of the function; a result of the earlier run is dropped.
+5. ``close()`` cancels running episodes and stops the proxy and the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+from hpcrl.agent.config import AgentConfig
+from hpcrl.agent.export import concat
+from hpcrl.agent.proxy import AgentProxy
+from hpcrl.data.rows import Row
+from hpcrl.reward.runner import RewardResult
+from hpcrl.rollout.engine import Completion, InferenceEngine, Request
+from hpcrl.rollout.episodes import Episode, EpisodeKey
+
+__all__ = ["AgentEpisodes", "AgentFn", "load_agent_fn"]
+
+log = logging.getLogger(__name__)
+
+AgentFn = Callable[..., Awaitable[float]]
+
+
+def load_agent_fn(path: str) -> AgentFn:
+    """``package.module:function`` -> the coroutine function; errors name the key ``agent.fn``."""
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent.fn: cannot load {path!r}: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent.fn: {path!r} must be an async function "
+                         "(async def f(data, *, base_url, api_key) -> float)")
+    return fn
+
+
+class AgentEpisodes:
+    def __init__(self, engine: InferenceEngine, tokenizer, cfg: AgentConfig, fn: AgentFn, *,
+                 max_tokens: int, model_name: str = "hpcrl-policy") -> None:
+        import uvicorn
+
+        self.engine, self.cfg, self.fn = engine, cfg, fn
+        self.stats: Counter = Counter()  # ok / error / timeout / no_call episodes, off-branch calls
+        self._ids = itertools.count()
+        self._runs: dict[EpisodeKey, int] = {}  # key -> the current run's number (older results are dropped)
+        self._pending: dict[int, asyncio.Future] = {}  # request id -> its caller's future (loop thread only)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # made on the loop, submitted on the rollout's
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._rewards: dict[int, RewardResult] = {}  # id(episode) -> its result, until score()
+        self._tasks: set[asyncio.Task] = set()  # running episodes (loop thread only)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
+        self._thread.start()
+        self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens)
+        self._server = uvicorn.Server(uvicorn.Config(self.proxy.app, host=cfg.host, port=cfg.port,
+                                                     log_level="warning", lifespan="off"))
+        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self.loop)
+        deadline = time.time() + 30
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # raises what stopped it (port in use...)
+                raise RuntimeError("agent proxy: the server stopped before it started")
+            if time.time() > deadline:
+                raise RuntimeError("agent proxy: not listening after 30 s")
+            time.sleep(0.02)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://{cfg.host}:{port}/v1"
+        self._limit = asyncio.run_coroutine_threadsafe(self._semaphore(), self.loop).result()
+        log.info("agent proxy listening on %s (fn %s)", self.base_url, getattr(fn, "__qualname__", fn))
+
+    async def _semaphore(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self.cfg.max_concurrent_episodes)
+
+    # -- EpisodeRunner -----------------------------------------------------------------
+    def max_unfinished(self, slots: int) -> int:
+        return self.cfg.max_concurrent_episodes
+
+    def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
+        run = self._runs[key] = self._runs.get(key, 0) + 1
+        data = {"prompt": row.prompt, "answer": row.answer, "index": row.index, **row.extra}
+        asyncio.run_coroutine_threadsafe(self._episode(key, run, data), self.loop)
+
+    def collect(self, completion: Completion) -> None:
+        self.loop.call_soon_threadsafe(self._resolve, completion)
+
+    def finished(self) -> list[tuple[EpisodeKey, Episode]]:
+        while not self._requests.empty():
+            self.engine.submit(self._requests.get())
+        out = []
+        while not self._done.empty():
+            key, run, episode, result = self._done.get()
+            if self._runs.get(key) != run:  # restarted meanwhile: the newer run counts
+                continue
+            self._rewards[id(episode)] = result
+            out.append((key, episode))
+        return out
+
+    def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
+        return [self._rewards.pop(id(e)) for e in episodes]
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+            self._server.should_exit = True
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+            self._serving.result(10)
+        except Exception as e:  # noqa: BLE001 - closing: report, never mask the caller's error
+            log.warning("agent proxy: stopping it: %s", e)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+    # -- on the loop -------------------------------------------------------------------
+    async def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:
+        rid = next(self._ids)
+        future = self.loop.create_future()
+        self._pending[rid] = future
+        self._requests.put(Request(id=("agent", rid), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens))
+        return await future
+
+    def _resolve(self, completion: Completion) -> None:
+        future = self._pending.pop(completion.id[1], None)
+        if future is not None and not future.done():  # a cancelled episode's call: nobody waits for it
+            future.set_result(completion)
+
+    async def _episode(self, key: EpisodeKey, run: int, data: dict[str, Any]) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._run_episode(key, run, data)
+        finally:
+            self._tasks.discard(task)
+
+    async def _run_episode(self, key: EpisodeKey, run: int, data: dict[str, Any]) -> None:
+        async with self._limit:
+            api_key = self.proxy.open(key)
+            status, reward = "ok", 0.0
+            try:
+                value = await asyncio.wait_for(self.fn(data, base_url=self.base_url, api_key=api_key),
+                                               self.cfg.timeout_s)
+                reward = float(value)
+            except asyncio.TimeoutError:
+                status = "timeout"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the user's code: any failure scores 0 and the run goes on
+                status = "error"
+                log.warning("agent episode %s raised %s: %s", key, type(e).__name__, e)
+            finally:
+                session = self.proxy.close(api_key)
+        exported = concat(session.calls)
+        if exported is None:
+            status = "no_call" if status == "ok" else status
+            reward, prompt = 0.0, None
+            episode = Episode(response_ids=[], logprobs=[], versions=[], loss_mask=[], text="", finish_reason="stop")
+        else:
+            episode, prompt = exported.episode, exported.prompt_ids
+            episode.text = self.proxy.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
+            self.stats["off_branch_calls"] += exported.off_branch
+            self.stats["turns"] += exported.turns
+        episode.prompt_ids = prompt
+        self.stats[status] += 1
+        self._done.put((key, run, episode, RewardResult(reward=reward if status == "ok" else 0.0, status=status)))

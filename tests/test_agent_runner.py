@@ -1,0 +1,149 @@
+"""Agent episodes through the real rollout loop: the embedded engine on a tiny model, the proxy under
+uvicorn, agent functions written against the official ``openai`` client, the spool.
+
+The agent of the first test is the multi-turn arithmetic one: answer, hear "wrong", answer again. Its
+spool groups must hold whole episodes: the group's prompt is the chat template's opening, every model
+token is trained with its engine logprob, the feedback turn is loss-masked, and the rewards are the
+agent's own. The second test runs agents that raise, hang, make no call or return a bad value: each
+scores 0 with its status, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from hpcrl.admission.config import AdmissionConfig  # noqa: E402
+from hpcrl.admission.ledger import AdmissionLedger  # noqa: E402
+from hpcrl.agent.config import AgentConfig  # noqa: E402
+from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # noqa: E402
+from hpcrl.data.rows import Row  # noqa: E402
+from hpcrl.model.hf_io import load_model, load_tokenizer  # noqa: E402
+from hpcrl.model.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from hpcrl.reward.config import RewardConfig  # noqa: E402
+from hpcrl.reward.runner import RewardRunner  # noqa: E402
+from hpcrl.rollout.config import RolloutConfig  # noqa: E402
+from hpcrl.rollout.engine import SamplingParams  # noqa: E402
+from hpcrl.rollout.torch_engine import TorchEngine  # noqa: E402
+from hpcrl.rollout.worker import RolloutWorker  # noqa: E402
+from hpcrl.spool.format import read_group  # noqa: E402
+from hpcrl.spool.store import Spool  # noqa: E402
+
+ROWS = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
+
+
+async def feedback_agent(data: dict, *, base_url: str, api_key: str) -> float:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": data["prompt"]}]
+    try:
+        for turn in range(2):
+            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+            answer = r.choices[0].message.content or ""
+            if answer.strip() == data["answer"]:
+                return 1.0 / (turn + 1)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "wrong"}]
+        return 0.25  # answered twice, wrong twice: still the agent's own reward
+    finally:
+        await client.close()
+
+
+async def unruly_agent(data: dict, *, base_url: str, api_key: str) -> float:
+    i = data["index"]
+    if i == 0:
+        raise RuntimeError("tool crashed")
+    if i == 1:
+        return 1.0  # claims success without asking the model anything
+    if i == 2:
+        await asyncio.sleep(3600)  # hangs past agent.timeout_s
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.completions.create(model="policy", prompt=data["prompt"], max_tokens=3)
+    await client.close()
+    return 1.0
+
+
+def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0) -> tuple[RolloutWorker, Spool]:
+    model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                                                     num_kv_heads=2, head_dim=16,
+                                                                     intermediate_size=64))
+    tokenizer = load_tokenizer(model_dir)
+    engine = TorchEngine(load_model(model_dir), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
+                         sampling=SamplingParams(max_new_tokens=4), seed=0)
+    admission = AdmissionConfig(batch_size=4, max_staleness=0)
+    runner = AgentEpisodes(engine, tokenizer, AgentConfig(fn="x:y", timeout_s=timeout_s, max_concurrent_episodes=8),
+                           fn, max_tokens=4)
+    spool = Spool(tmp_path / "spool")
+    worker = RolloutWorker(RolloutConfig(group_size=2, max_batch_size=8, max_new_tokens=4), admission,
+                           engine=engine, tokenizer=tokenizer, rows=ROWS,
+                           ledger=AdmissionLedger(tmp_path / "admission", admission, len(ROWS)), spool=spool,
+                           reward=RewardRunner(RewardConfig()), writer="w0", episodes=runner)
+    return worker, spool
+
+
+def run_until(worker: RolloutWorker, groups: int, timeout_s: float = 90.0) -> None:
+    deadline = time.time() + timeout_s
+    try:
+        while worker.stats.groups_published < groups:
+            assert time.time() < deadline, f"{worker.stats.groups_published} of {groups} groups after {timeout_s} s"
+            if not worker.pump():
+                time.sleep(0.005)
+        worker.flush()
+    finally:
+        worker.close()
+
+
+def test_multi_turn_agent_episodes_are_published_whole_with_the_feedback_masked(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path, feedback_agent)
+    tok = worker.tokenizer
+    run_until(worker, 4)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert sorted(g.meta["row"] for g in groups) == [0, 1, 2, 3]
+    two_turns = 0
+    for g in groups:
+        prompt = tok.decode(g.prompt_ids.tolist(), skip_special_tokens=False)
+        assert prompt == f"user: {g.meta['prompt']}<eos>\nassistant: ", prompt  # the template's opening, shared
+        assert g.meta["reward_status"] == ["ok", "ok"]
+        for s in g.samples:
+            mask = s.loss_mask.astype(bool)
+            assert s.reward in (1.0, 0.5, 0.25)
+            assert np.all(s.behav_logprobs[mask] < 0) and np.all(s.behav_logprobs[~mask] == 0)
+            if (~mask).any():  # answered wrongly first: the feedback turn sits between the answers, masked
+                two_turns += 1
+                gap = tok.decode(s.response_ids[~mask].tolist(), skip_special_tokens=False)
+                assert gap.endswith("\nuser: wrong<eos>\nassistant: "), gap
+                assert s.reward in (0.5, 0.25)
+            else:
+                assert s.reward == 1.0
+    assert two_turns > 0  # an untrained model is wrong at least once in 8 episodes
+    assert worker.episodes.stats["ok"] == 8 and worker.episodes.stats["off_branch_calls"] == 0
+
+
+def test_agents_that_raise_hang_or_never_ask_score_zero_and_the_run_goes_on(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path, unruly_agent, timeout_s=1.0)
+    run_until(worker, 4)
+    by_row = {g.meta["row"]: g for g in (read_group(e.path) for e in spool.ready())}
+    assert by_row[0].meta["reward_status"] == ["error", "error"]
+    assert by_row[1].meta["reward_status"] == ["no_call", "no_call"]
+    assert by_row[2].meta["reward_status"] == ["timeout", "timeout"]
+    assert by_row[3].meta["reward_status"] == ["ok", "ok"]
+    for row in (0, 1, 2):
+        assert [s.reward for s in by_row[row].samples] == [0.0, 0.0]
+    assert all(len(s.response_ids) == 0 for s in by_row[1].samples)  # nothing generated: an empty sample
+    assert [s.reward for s in by_row[3].samples] == [1.0, 1.0] and all(len(s.response_ids) for s in by_row[3].samples)
+    assert by_row[3].prompt_ids.tolist() == worker.tokenizer.encode("3+3=", add_special_tokens=False)
+    assert worker.episodes.stats == {"error": 2, "no_call": 2, "timeout": 2, "ok": 2, "turns": 2,
+                                     "off_branch_calls": 0}
+
+
+def test_agent_fn_must_be_an_importable_async_function() -> None:
+    with pytest.raises(ValueError, match=r"^agent\.fn: cannot load 'tests_nowhere:f'"):
+        load_agent_fn("tests_nowhere:f")
+    with pytest.raises(ValueError, match=r"must be an async function"):
+        load_agent_fn("json:dumps")
