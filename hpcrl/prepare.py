@@ -69,7 +69,8 @@ def base_model_path(cfg: RunConfig) -> Path:
             raise ValueError(f"model.path: {path} is not a HuggingFace model folder (no config.json)")
         return path
     tiny = TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed)
-    key = hashlib.sha256(json.dumps(asdict(tiny), sort_keys=True).encode()).hexdigest()[:12]
+    # the files' format is part of the key: a cache built before the tokenizer had a chat template is not reused
+    key = hashlib.sha256(json.dumps({**asdict(tiny), "format": 2}, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(m.path).expanduser() if m.path else Path(m.cache_dir).expanduser() / f"tiny-qwen3-{key}"
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,7 @@ def test_agents_that_raise_hang_or_never_ask_score_zero_and_the_run_goes_on(tmp_
 
 
 def test_agent_fn_must_be_an_importable_async_function() -> None:
-    with pytest.raises(ValueError, match=r"^agent\.fn: cannot load 'tests_nowhere:f'"):
+    with pytest.raises(ValueError, match=r"^agent\.fn: 'tests_nowhere:f': module 'tests_nowhere' not found"):
         load_agent_fn("tests_nowhere:f")
     with pytest.raises(ValueError, match=r"must be an async function"):
         load_agent_fn("json:dumps")

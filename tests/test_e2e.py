@@ -128,7 +128,7 @@ def test_two_trainer_ranks_and_two_rollouts(tmp_path, cache) -> None:
 
 def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:
     run = tmp_path / "fail"
-    proc = submit(run, cache, "data.chat_template=true", timeout=120)  # the char tokenizer has no chat template
+    proc = submit(run, cache, "trainer.backend=nccl", timeout=120)  # no CUDA here: the trainer fails at start
     assert proc.returncode == 1
     assert "exited with code" in proc.stderr and ("trainer-r0" in proc.stderr or "rollout-0" in proc.stderr)
     registry = json.loads((run / "jobs" / "registry.json").read_text())

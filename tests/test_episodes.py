@@ -71,6 +71,9 @@ class TwoTurn:
             loss_mask=[1] * len(one.output_ids) + [0] * len(fb) + [1] * len(c.output_ids),
             text=self.tokenizer.decode(ids), finish_reason=c.finish_reason)))
 
+    def wait(self, timeout_s: float) -> None:
+        time.sleep(min(timeout_s, 0.002))
+
     def finished(self):
         while not self.waiting.empty():
             self.engine.submit(self.waiting.get())

@@ -87,6 +87,8 @@ def test_pad_defaults_to_eos(tmp_path):
 def test_encode_prompt_chat_template():
     tok = build_char_tokenizer()
     assert encode_prompt(tok, "1+2=") == [tok.convert_tokens_to_ids(c) for c in "1+2="]
+    assert tok.decode(encode_prompt(tok, "1+2=", chat_template=True)) == "user: 1+2=<eos>\nassistant: "
+    tok.chat_template = None
     with pytest.raises(ValueError, match="chat_template"):
         encode_prompt(tok, "1+2=", chat_template=True)
     tok.chat_template = "{% for m in messages %}U:{{ m['content'] }}\n{% endfor %}A:"

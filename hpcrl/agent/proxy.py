@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 from hpcrl.rollout.engine import Completion
 
 __all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "parse_tool_calls"]
@@ -62,16 +63,6 @@ log = logging.getLogger(__name__)
 
 Generate = Callable[[list[int], int], Awaitable[Completion]]
 
-# for tokenizers without a chat template (the tiny test models): one line per message, the eos token ends a turn
-PLAIN_CHAT_TEMPLATE = (
-    "{% if tools %}system: tools {{ tools | tojson }}{{ eos_token }}\n{% endif %}"
-    "{% for m in messages %}{{ m['role'] }}: "
-    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{% if m.get('tool_calls') %}{% for t in m['tool_calls'] %}<tool_call>"
-    "{\"name\": {{ t['function']['name'] | tojson }}, \"arguments\": {{ t['function']['arguments'] }}}"
-    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 

@@ -27,7 +27,6 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import itertools
 import logging
@@ -39,9 +38,9 @@ from typing import Any, Awaitable, Callable
 
 from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import concat
-from hpcrl.agent.proxy import AgentProxy
+from hpcrl.agent.proxy import AgentProxy, ProxyError
 from hpcrl.data.rows import Row
-from hpcrl.reward.runner import RewardResult
+from hpcrl.reward.runner import RewardResult, load_function
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 from hpcrl.rollout.episodes import Episode, EpisodeKey
 
@@ -54,11 +53,7 @@ AgentFn = Callable[..., Awaitable[float]]
 
 def load_agent_fn(path: str) -> AgentFn:
     """``package.module:function`` -> the coroutine function; errors name the key ``agent.fn``."""
-    module_name, _, attr = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent.fn: cannot load {path!r}: {e}") from None
+    fn = load_function(path, "agent.fn:")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"agent.fn: {path!r} must be an async function "
                          "(async def f(data, *, base_url, api_key) -> float)")
@@ -79,12 +74,14 @@ class AgentEpisodes:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._rewards: dict[int, RewardResult] = {}  # id(episode) -> its result, until score()
         self._tasks: set[asyncio.Task] = set()  # running episodes (loop thread only)
+        self._news = threading.Event()  # set when a request is queued or an episode ended
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
         self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens)
         self._server = uvicorn.Server(uvicorn.Config(self.proxy.app, host=cfg.host, port=cfg.port,
-                                                     log_level="warning", lifespan="off"))
+                                                     log_level="warning", lifespan="off",
+                                                     timeout_graceful_shutdown=5))
         self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self.loop)
         deadline = time.time() + 30
         while not self._server.started:
@@ -115,6 +112,7 @@ class AgentEpisodes:
         self.loop.call_soon_threadsafe(self._resolve, completion)
 
     def finished(self) -> list[tuple[EpisodeKey, Episode]]:
+        self._news.clear()
         while not self._requests.empty():
             self.engine.submit(self._requests.get())
         out = []
@@ -129,8 +127,16 @@ class AgentEpisodes:
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         return [self._rewards.pop(id(e)) for e in episodes]
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until an episode made a request or ended, or ``timeout_s`` passed."""
+        self._news.wait(timeout_s)
+
     def close(self) -> None:
         async def stop() -> None:
+            for future in self._pending.values():  # calls in flight get an answer: the job is stopping
+                if not future.done():
+                    future.set_exception(ProxyError(503, "the rollout job is stopping", "unavailable",
+                                                    kind="server_error"))
             for task in list(self._tasks):
                 task.cancel()
             self._server.should_exit = True
@@ -150,6 +156,7 @@ class AgentEpisodes:
         future = self.loop.create_future()
         self._pending[rid] = future
         self._requests.put(Request(id=("agent", rid), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens))
+        self._news.set()
         return await future
 
     def _resolve(self, completion: Completion) -> None:
@@ -195,3 +202,4 @@ class AgentEpisodes:
         episode.prompt_ids = prompt
         self.stats[status] += 1
         self._done.put((key, run, episode, RewardResult(reward=reward if status == "ok" else 0.0, status=status)))
+        self._news.set()

@@ -23,6 +23,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from hpcrl.model.hf_io import save_model
+from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
     No normalizer, every character (spaces included) is its own token and the
     decoder concatenates, so ``decode(encode(s)) == s`` for text over CHARSET.
+    Its chat template is :data:`hpcrl.model.templates.PLAIN_CHAT_TEMPLATE`
+    (``user: 1+2=<eos>\nassistant: ``).
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARSET:
@@ -77,6 +80,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
+        chat_template=PLAIN_CHAT_TEMPLATE,
     )
 
 

@@ -66,31 +66,31 @@ class RewardResult:
     detail: str = ""  # why, for anything but "ok"
 
 
-def load_function(path: str) -> Callable[..., float]:
+def load_function(path: str, what: str = "reward function") -> Callable[..., float]:
     """Import ``'package.module:function'`` (``function`` may be dotted, e.g.
     ``Class.method``). ValueError naming the path and what is wrong."""
     module_name, sep, attr = str(path).partition(":")
     module_name, attr = module_name.strip(), attr.strip()
     if not sep or not module_name or not attr or ":" in attr:
-        raise ValueError(f"reward function {path!r}: bad format, expected 'package.module:function'")
+        raise ValueError(f"{what} {path!r}: bad format, expected 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            raise ValueError(f"reward function {path!r}: module {module_name!r} not found") from exc
-        raise ValueError(f"reward function {path!r}: importing {module_name!r} failed: {exc}") from exc
+            raise ValueError(f"{what} {path!r}: module {module_name!r} not found") from exc
+        raise ValueError(f"{what} {path!r}: importing {module_name!r} failed: {exc}") from exc
     except Exception as exc:  # a user module failing at import: report it as a config error
         raise ValueError(
-            f"reward function {path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"{what} {path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"reward function {path!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"reward function {path!r}: {attr!r} is not callable (it is {type(target).__name__})")
+        raise ValueError(f"{what} {path!r}: {attr!r} is not callable (it is {type(target).__name__})")
     return target
 
 

@@ -38,6 +38,7 @@ runner must tolerate the same request finishing after such a resubmission.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Hashable, Protocol, runtime_checkable
 
@@ -94,6 +95,10 @@ class EpisodeRunner(Protocol):
     def collect(self, completion: Completion) -> None:
         """A finished engine request of one of the runner's episodes."""
 
+    def wait(self, timeout_s: float) -> None:
+        """Nothing is in the engine but episodes are unfinished (busy elsewhere): block until one of them
+        makes a request or ends, at most ``timeout_s``."""
+
     def finished(self) -> list[tuple[EpisodeKey, Episode]]:
         """The episodes that ended since the last call (each once); may submit waiting requests."""
 
@@ -130,6 +135,10 @@ class SingleTurn:
     def finished(self) -> list[tuple[EpisodeKey, Episode]]:
         done, self._done = self._done, []
         return done
+
+    def wait(self, timeout_s: float) -> None:
+        """Never called in practice: a single-turn episode is always in the engine until it ends."""
+        time.sleep(timeout_s)
 
     def close(self) -> None:
         """Nothing of its own: the engine and the reward runner belong to the rollout job."""

@@ -133,18 +133,21 @@ class RolloutWorker:
         t2 = time.perf_counter()
         self.stats.weights_s += t1 - t0
         self.stats.admit_s += t2 - t1
-        generating = self.engine.num_in_flight() > 0
+        generating, waiting = self.engine.num_in_flight() > 0, False
         if generating:
             for completion in self.engine.poll(self.cfg.poll_interval_s):
                 self.episodes.collect(completion)
+        elif self.unfinished():  # episodes busy outside the engine (a tool, an agent between calls)
+            self.episodes.wait(self.cfg.poll_interval_s)
+            waiting = True
         finished = self.episodes.finished()
         for key, episode in finished:
             self._finish(key, episode)
-        if not generating and not finished:  # nothing generates (episodes may be busy outside the engine)
-            if self.publisher.pending:  # make what is finished visible
+        if not generating and not finished:
+            if self.publisher.pending:  # nothing generates: make what is finished visible
                 self.flush()
                 return True
-            return False
+            return waiting  # waited already: no extra sleep in run()
         self.stats.busy_s += time.perf_counter() - t2
         return True
 
