@@ -203,6 +203,10 @@ def test_a_recorded_process_is_known_by_its_start_time_not_its_command_line(tmp_
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # names no run dir
     try:
+        # the kernel fills in the new command line a moment after exec has closed Popen's pipe
+        deadline = time.monotonic() + 30
+        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         started = start_ticks(proc.pid)
         assert started is not None
         rec = {"job_id": proc.pid, "scheduler": "local"}
