@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
-from hpcrl.ckpt.export import to_hf
+from hpcrl.ckpt.export import has_adapters, lora_settings_of, to_hf
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name
 
@@ -95,6 +95,19 @@ def has_critic(ckpt: Path) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
     return any(k.startswith("critic.") for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+
+
+def check_adapters(cfg: RunConfig, src: Path) -> None:
+    """A checkpoint's policy state loads only into a trainer with the same LoRA adapters (or none)."""
+    theirs = lora_settings_of(src) if has_adapters(src) else None
+    ours = cfg.trainer.lora if cfg.trainer.lora.rank else None
+    if theirs != ours:
+        def say(s) -> str:
+            return "full fine-tuning" if s is None else f"LoRA rank {s.rank}, alpha {s.alpha}, {s.target_modules}"
+
+        raise ValueError(f"init.checkpoint: {src} was trained with {say(theirs)}, this run's trainer.lora asks for "
+                         f"{say(ours)}; its trainer state does not load into that. Export its merged weights "
+                         f"(python -m ckpt_tools to-hf) and start from them with model.path instead")
 
 
 def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
@@ -148,6 +161,7 @@ def start_from(cfg: RunConfig, run_dir: Path, base_model: Path, num_rows: int) -
         diff = {k: (ours[k], theirs[k]) for k in ARCHITECTURE_KEYS if ours[k] != theirs[k]}
         raise ValueError(f"init.checkpoint: {src} holds a model of another architecture than model.* names "
                          f"({base_model}); differing (this config, checkpoint): {diff}")
+    check_adapters(cfg, src)
     t0 = time.time()
     taken = {"checkpoint": str(src), "restore": list(cfg.init.restore), "data_offset": 0}
     if "data" in cfg.init.restore:

@@ -350,3 +350,32 @@ def test_a_new_run_from_another_runs_checkpoint(tmp_path, assets) -> None:
     with pytest.raises(ValueError, match="init.restore: data: the source trained on 200 rows with seed 0"):
         started_from(tmp_path / "e", assets, source, "data", "seed=1")
     assert not (tmp_path / "e" / "ckpt").exists() and not (tmp_path / "d" / "init").exists()
+
+
+def test_a_lora_trainer_resumes_bit_identically_and_exports_merged_weights(tmp_path, assets, capsys) -> None:
+    """trainer.lora.rank on 2 FSDP2 ranks: killed -9 after step 4 and resumed from the step-3 checkpoint (base
+    weights, adapters and their Adam state), the published weights equal an uninterrupted run's bit for bit;
+    they differ from the initial policy by a low-rank matrix in each adapted projection only; ckpt_tools to-hf
+    merges the adapters of the final checkpoint into exactly the weights published with it; a full-fine-tuning
+    run cannot start from the LoRA checkpoint's trainer state (refused, naming both)."""
+    from ckpt_tools.__main__ import main as tools
+
+    lora = ("trainer.lora.rank=2", "trainer.lora.alpha=4")
+    a = uninterrupted(tmp_path / "a", assets, 2, lora)
+    b = killed_and_resumed(tmp_path / "b", assets, 2, 2, lora)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    init = load_file(str(assets / "model" / "model.safetensors"))
+    assert set(init) <= set(a) <= set(init) | {"lm_head.weight"}  # HF names, merged (the tied head as in full FT)
+    for k in init:
+        delta = a[k] - init[k]
+        if k.endswith("proj.weight"):
+            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta, atol=1e-6) <= 2, k
+        else:
+            assert not delta.any(), k
+    assert audit(tmp_path / "b").ok
+    assert tools(["to-hf", str(tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}"), str(tmp_path / "hf")]) == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k in exported:  # the tied head is not written twice
+        torch.testing.assert_close(exported[k], a[k], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="LoRA rank 2.*full fine-tuning"):
+        started_from(tmp_path / "c", assets, tmp_path / "a", "")

@@ -133,6 +133,17 @@ def test_fsdp_two_ranks_many_micro_batches_equal_one_rank(tmp_path) -> None:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-6, rtol=1e-5)
 
 
+def _single_rank_variants(target, model_path, out_dir, variants, *extra) -> dict:
+    """``target(model_path, out, variant, *extra)`` in a spawned process per variant -> {variant: what it saved}."""
+    ctx = mp.get_context("spawn")
+    for v in variants:
+        p = ctx.Process(target=target, args=(model_path, out_dir / f"{v}.pt", v, *extra))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0, f"{target.__name__}({v!r}) exited {p.exitcode}"
+    return {v: torch.load(out_dir / f"{v}.pt") for v in variants}
+
+
 def _anchor_rank(model_path, out, decoupled: bool) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
@@ -154,20 +165,15 @@ def test_plain_ppo_anchors_on_the_behaviour_policy(tmp_path) -> None:
     on the same off-policy batch reweights tokens and takes a different step."""
     model_path = tmp_path / "model"
     _tiny_model(model_path)
-    ctx = mp.get_context("spawn")
-    for decoupled in (True, False):
-        p = ctx.Process(target=_anchor_rank, args=(model_path, tmp_path / f"{decoupled}.pt", decoupled))
-        p.start()
-        p.join(120)
-        assert p.exitcode == 0
-    plain, dec = torch.load(tmp_path / "False.pt"), torch.load(tmp_path / "True.pt")
+    runs = _single_rank_variants(_anchor_rank, model_path, tmp_path, (True, False))
+    plain, dec = runs[False], runs[True]
     weight = {k: v for k, v in plain["stats"].items() if "imp_weight_m" in k}
     assert weight and all(v == 1.0 for v in weight.values()), plain["stats"]
     assert any(v != 1.0 for k, v in dec["stats"].items() if "imp_weight_m" in k), dec["stats"]
     assert max((plain["state"][k] - dec["state"][k]).abs().max().item() for k in plain["state"]) > 1e-6
 
 
-def _prox_rank(model_path, out, n_minibatches: int, reuse: bool) -> None:
+def _prox_rank(model_path, out, reuse: bool, n_minibatches: int) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
     from hpcrl.runtime.dist import init_from_env
@@ -193,13 +199,8 @@ def test_first_update_takes_proximal_logprobs_from_its_own_forward(tmp_path, n_m
     """Skipping the no-grad proximal pass of the first update changes nothing but the work done."""
     model_path = tmp_path / "model"
     _tiny_model(model_path)
-    ctx = mp.get_context("spawn")
-    for reuse in (True, False):
-        p = ctx.Process(target=_prox_rank, args=(model_path, tmp_path / f"{reuse}.pt", n_minibatches, reuse))
-        p.start()
-        p.join(120)
-        assert p.exitcode == 0
-    fast, ref = torch.load(tmp_path / "True.pt"), torch.load(tmp_path / "False.pt")
+    runs = _single_rank_variants(_prox_rank, model_path, tmp_path, (True, False), n_minibatches)
+    fast, ref = runs[True], runs[False]
     assert ref["prox_passes"] == ref["micro_batches"]
     skipped = ref["prox_passes"] - fast["prox_passes"]  # the first update's micro-batches, each step
     if n_minibatches == 1:
@@ -249,13 +250,8 @@ def test_model_dtype_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(
     optimizer state, published weights and logprobs in float32; the step goes where the float32 step goes."""
     model_path = tmp_path / "model"
     _tiny_model(model_path)
-    ctx = mp.get_context("spawn")
-    for dtype in ("float32", "bfloat16"):
-        p = ctx.Process(target=_dtype_rank, args=(model_path, tmp_path / f"{dtype}.pt", dtype))
-        p.start()
-        p.join(120)
-        assert p.exitcode == 0
-    f32, b16 = torch.load(tmp_path / "float32.pt"), torch.load(tmp_path / "bfloat16.pt")
+    runs = _single_rank_variants(_dtype_rank, model_path, tmp_path, ("float32", "bfloat16"))
+    f32, b16 = runs["float32"], runs["bfloat16"]
     for run in (f32, b16):
         assert run["param_dtypes"] == run["optim_dtypes"] == ["torch.float32"]
         assert run["logp"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in run["state"].values())
@@ -305,14 +301,79 @@ def test_activation_checkpointing_keeps_less_for_backward_and_takes_the_same_ste
     its forward again in the backward pass, and the step is the step without it (recomputation is exact)."""
     model_path = tmp_path / "model"
     _tiny_model(model_path)
-    ctx = mp.get_context("spawn")
-    for on in (False, True):
-        p = ctx.Process(target=_checkpointing_rank, args=(model_path, tmp_path / f"ac{int(on)}.pt", on))
-        p.start()
-        p.join(120)
-        assert p.exitcode == 0
-    off, on = torch.load(tmp_path / "ac0.pt"), torch.load(tmp_path / "ac1.pt")
+    runs = _single_rank_variants(_checkpointing_rank, model_path, tmp_path, (False, True))
+    off, on = runs[False], runs[True]
     assert on["saved_bytes"] < 0.6 * off["saved_bytes"], (on["saved_bytes"], off["saved_bytes"])
     assert on["layer_calls"] > off["layer_calls"] > 0  # the recompute in backward
     for k, v in off["state"].items():
         torch.testing.assert_close(on["state"][k], v, rtol=0, atol=1e-6)
+
+
+def _lora_rank(model_path, out, rank: int) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer.config import LoraSettings
+    from hpcrl.trainer.engine import build_train_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=1, total_steps=4, lr=1e-2, warmup_steps=0, lora=LoraSettings(rank=rank, alpha=8))
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
+    engine = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    for _ in range(2):
+        engine.train_step(seqs)
+    trained = sorted(n for n, p in engine.model.named_parameters() if p.requires_grad)
+    in_optimizer = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    dcp.save(engine.checkpoint_state(), checkpoint_id=str(out.parent / f"ckpt{rank}"))
+    engine.train_step(seqs)
+    raw = {k: v.clone() for k, v in get_model_state_dict(  # PEFT's names, adapters apart
+        engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
+    resumed = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    state = resumed.checkpoint_state()
+    dcp.load(state, checkpoint_id=str(out.parent / f"ckpt{rank}"))
+    resumed.load_checkpoint_state(state)
+    resumed.train_step(seqs)
+    torch.save({"trained": trained, "in_optimizer": in_optimizer, "raw": raw,
+                "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
+                "resumed": {k: v.clone() for k, v in resumed.full_state_dict().items()}}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_lora_trains_only_adapters_publishes_merged_weights_and_resumes(tmp_path) -> None:
+    """trainer.lora.rank: only PEFT's adapter matrices train (and sit in the optimizer); the published weights
+    carry HF names with each adapter merged as PEFT's merge_and_unload merges it, every other weight is the
+    initial one, each adapted weight moved by a matrix of rank <= r; a DCP resume continues exactly."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_path = tmp_path / "model"
+    _tiny_model(model_path)
+    lora = _single_rank_variants(_lora_rank, model_path, tmp_path, (4,))[4]
+    assert lora["trained"] and all(".lora_A." in n or ".lora_B." in n for n in lora["trained"])
+    assert lora["in_optimizer"] == len(lora["trained"]) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    w0 = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+    state = lora["state"]
+    assert set(state) <= set(w0) and not [k for k in state if "lora" in k or "base_layer" in k]
+    adapted = [k for k in state if k.endswith("proj.weight")]
+    assert len(adapted) == 14
+    for k, v in state.items():
+        if k in adapted:
+            delta = v - w0[k]
+            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta, atol=1e-6) <= 4, k
+        else:
+            assert torch.equal(v, w0[k]), k
+    # PEFT's own merge of the same adapters
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                              "gate_proj", "up_proj", "down_proj"]))
+    adapters = {f"base_model.model.{k}": v for k, v in lora["raw"].items() if ".lora_" in k}
+    assert len(adapters) == 28 and not set(adapters) - set(peft_model.state_dict())
+    peft_model.load_state_dict(adapters, strict=False)
+    merged = peft_model.merge_and_unload().state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(v, merged[k], rtol=0, atol=1e-6)
+    for k, v in lora["resumed"].items():  # checkpoint after 2 steps, one more step = the third step
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)

@@ -15,12 +15,47 @@ import torch.distributed.checkpoint as dcp
 
 
 def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
-    """Write ``out`` (config, tokenizer, safetensors) with the checkpoint's model weights; returns ``out``."""
+    """Write ``out`` (config, tokenizer, safetensors) with the checkpoint's model weights; returns ``out``.
+
+    A checkpoint of a LoRA run (``trainer.lora.rank > 0``) holds the base weights and the adapters apart:
+    they are merged, with the adapters' scaling from the run's ``config.yaml`` next to ``ckpt/``."""
     from hpcrl.model.hf_io import load_model, load_tokenizer, save_model
 
-    model = load_model(base_model)
+    model, scalings = load_model(base_model), None
+    if has_adapters(ckpt):
+        from hpcrl.trainer.lora import apply_lora
+
+        scalings = apply_lora(model, lora_settings_of(ckpt))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     with torch.no_grad():
         model.load_state_dict(state["model"])
+        if scalings is not None:
+            from hpcrl.trainer.lora import merge_lora
+
+            merged = merge_lora(model.state_dict(), scalings)
+            model = load_model(base_model)
+            model.load_state_dict(merged)
     return save_model(model, load_tokenizer(base_model), out)
+
+
+def has_adapters(ckpt: Path) -> bool:
+    """Whether a checkpoint's policy carries LoRA adapters (it was saved by a ``trainer.lora.rank > 0`` run)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith("model.") and ".lora_A." in k
+               for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+
+
+def lora_settings_of(ckpt: Path):
+    """The LoRA settings the checkpoint's run trained with (its ``config.yaml``)."""
+    from hpcrl.config import load_saved
+
+    run_dir = ckpt.parent.parent
+    if not (run_dir / "config.yaml").exists():
+        raise ValueError(f"{ckpt} holds LoRA adapters; merging them needs its run's config.yaml "
+                         f"(trainer.lora), not found in {run_dir}")
+    settings = load_saved(run_dir).trainer.lora
+    if not settings.rank:
+        raise ValueError(f"{ckpt} holds LoRA adapters but its run's config.yaml has trainer.lora.rank = 0")
+    return settings

@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 0  # adapter rank r; 0 = full fine-tuning
+    alpha: float = 16.0  # scaling = alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (trainer forward passes only)
+    # module names (suffixes) that get an adapter: attention and MLP projections of Qwen/Llama layers
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"rank: must be >= 0 (0 = no LoRA), got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ValueError("target_modules: LoRA needs at least one module name")
 
 
 @dataclass
@@ -24,6 +44,7 @@ class TrainerConfig:
     # recompute each decoder layer's activations during backward instead of keeping them (policy and
     # critic): activation memory of a layer's inputs only, for about one more forward pass of compute
     activation_checkpointing: bool = False
+    lora: LoraSettings = field(default_factory=LoraSettings)  # LoRA adapters (PEFT) instead of full fine-tuning
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
     batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
     # retention, applied after every checkpoint: the data of the newest this many set-aside (stale, lost,

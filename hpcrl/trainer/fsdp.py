@@ -91,7 +91,8 @@ class FSDPEngine:
     float16 is refused: it would need a gradient scaler.
     ``trainer.activation_checkpointing`` recomputes each decoder layer in the
     backward pass (HF gradient checkpointing, non-reentrant) of the policy
-    and the critic.
+    and the critic. ``trainer.lora.rank > 0`` trains PEFT LoRA adapters of
+    the policy only (:mod:`hpcrl.trainer.lora`); published weights are merged.
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
@@ -110,9 +111,14 @@ class FSDPEngine:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return _shard(model.to(ctx.device), mesh, policy)
 
-        self.model = shard(load_model(model_path, dtype=torch.float32))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+        policy_model, self.lora_scalings = load_model(model_path, dtype=torch.float32), None
+        if cfg.lora.rank:  # adapters injected in place before sharding; the base weights frozen
+            from hpcrl.trainer.lora import apply_lora
+
+            self.lora_scalings = apply_lora(policy_model, cfg.lora)
+        self.model = shard(policy_model)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.version = 0  # policy version at the start of the next step (used by prox_approx)
         self.ref_model = None
@@ -377,9 +383,15 @@ class FSDPEngine:
 
     # -- weights and checkpoints -----------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU weights on rank 0 (empty elsewhere); every rank must call it."""
+        """Unsharded CPU weights on rank 0 (empty elsewhere), HF names (LoRA adapters merged); every rank
+        must call it."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        state = get_model_state_dict(self.model, options=opts)
+        if self.lora_scalings is not None and state:
+            from hpcrl.trainer.lora import merge_lora
+
+            state = merge_lora(state, self.lora_scalings)
+        return state
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Sharded policy and optimizer state, plus the critic and its optimizer (PPO), for DCP."""
