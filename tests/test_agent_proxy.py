@@ -85,8 +85,12 @@ def test_chat_completions_models_and_streaming(served) -> None:
     engine.script += ["42"]
     t = c.completions.create(model="x", prompt="6*7=", max_tokens=8, logprobs=1)
     assert t.choices[0].text == "42" and t.choices[0].logprobs.token_logprobs == [-0.5] * 3
+    engine.script += ["12 is it. 13"]
+    t = c.completions.create(model="x", prompt="3*4=", max_tokens=32, stop=["xyz", " is"])
+    assert t.choices[0].text == "12" and t.choices[0].finish_reason == "stop"
     calls = proxy.close(key).calls
-    assert len(calls) == 3 and calls[2].prompt_ids == proxy.tokenizer.encode("6*7=", add_special_tokens=False)
+    assert proxy.tokenizer.decode(calls[3].output_ids) == "12 is"  # trained up to the token that completed the stop
+    assert len(calls) == 4 and calls[2].prompt_ids == proxy.tokenizer.encode("6*7=", add_special_tokens=False)
 
 
 def test_unknown_keys_and_malformed_bodies_get_openai_errors(served) -> None:

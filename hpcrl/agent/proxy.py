@@ -197,12 +197,24 @@ class AgentProxy:
         return Call(list(prompt_ids), out, logprobs, versions, reason)
 
     def _stop_at(self, ids: list[int], stop: list[str]) -> int | None:
-        """Tokens to keep: up to the one that completes the first stop string (None: no stop string)."""
-        for k in range(1, len(ids) + 1):
+        """Tokens to keep: up to the one that completes the first stop string (None: no stop string).
+
+        A prefix that holds a stop string stays holding it as tokens are added, so the first such prefix
+        is found by bisection: O(log n) decodes, one when the output holds no stop string at all."""
+        def hit(k: int) -> bool:
             text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
-            if any(s and s in text for s in stop):
-                return k
-        return None
+            return any(s and s in text for s in stop)
+
+        if not hit(len(ids)):
+            return None
+        lo, hi = 1, len(ids)  # hit(hi) holds; find the smallest such k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _text(self, ids: list[int], stop: list[str]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
