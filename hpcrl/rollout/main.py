@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import RunConfig, load_saved
+from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
@@ -60,7 +60,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     spool, reward = Spool(run_dir / "spool", fence=fence), RewardRunner(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
-                      name=f"rollout-{writer or replica}", gpus=_visible_gpus(cfg.launch.rollout.gpus_per_node),
+                      name=f"rollout-{writer or replica}", gpus=visible_device_count(cfg.launch.rollout.gpus_per_node),
                       on_wait=on_wait)
     try:  # last: a server started here must not outlive a failure to build the rest
         engine = build_engine(cfg.rollout, site, seed=cfg.seed * 1000 + replica, tokenizer=tokenizer, model=model)
@@ -84,16 +84,6 @@ def _agent_episodes(cfg: RunConfig, engine, tokenizer):
 
     return AgentEpisodes(engine, tokenizer, cfg.agent, load_agent_fn(cfg.agent.fn),
                          max_tokens=cfg.rollout.max_new_tokens)
-
-
-def _visible_gpus(requested: int) -> int:
-    """Accelerators this job can use: Slurm's/CUDA's visible-devices list, else what launch.rollout asked for,
-    else what torch sees."""
-    for var in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
-        ids = os.environ.get(var)
-        if ids is not None:
-            return len([i for i in ids.split(",") if i.strip()])
-    return requested or torch.cuda.device_count()
 
 
 def run(run_dir: Path, replica: int) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpcrl.runtime.device import detect
+
 log = logging.getLogger(__name__)
 
 
@@ -47,26 +49,9 @@ class DistContext:
 
 
 def pick_device(backend: str, local_rank: int) -> tuple[torch.device, str]:
-    """The device and backend for this rank; ``backend='auto'`` chooses by platform."""
-    if backend in ("auto", "nccl") and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    if backend == "nccl":
-        raise ValueError("trainer.backend: nccl requested but CUDA is not available")
-    if backend in ("auto", "hccl") and _has_npu():
-        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
-        return torch.device("npu", local_rank), "hccl"
-    if backend == "hccl":
-        raise ValueError("trainer.backend: hccl requested but torch_npu/an Ascend device is not available")
-    return torch.device("cpu"), "gloo"
-
-
-def _has_npu() -> bool:
-    try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-    except ImportError:
-        return False
-    return torch.npu.is_available()  # type: ignore[attr-defined]
+    """The device and backend for this rank; ``backend='auto'`` chooses by platform (:mod:`hpcrl.runtime.device`)."""
+    acc = detect(backend, "trainer.backend")
+    return acc.set_device(local_rank), acc.backend
 
 
 @dataclass(frozen=True)

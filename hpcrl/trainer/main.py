@@ -43,6 +43,7 @@ from hpcrl.trainer.reconcile import reconcile
 from hpcrl.ckpt.trainer_ckpt import Checkpointer
 from hpcrl.config import RunConfig, config_hash, load_saved
 from hpcrl.runtime.dist import DistContext, init_from_env
+from hpcrl.runtime.device import of as device_of
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
@@ -98,6 +99,7 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
         t3 = time.time()
         if reporter:
             extra = {"groups/uniform": n_uniform, "version": version + 1,
+                     "memory/peak_mb": device_of(ctx.device).peak_memory_bytes() / 2**20,
                      **{f"groups/dropped_{k}": v for k, v in feed.dropped.items()}}
             reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "train": t2 - t1, "publish": t3 - t2 - t_commit,
                                                        "commit": t_commit,

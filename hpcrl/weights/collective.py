@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import atomic
+from hpcrl.runtime.device import detect
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.version import WeightVersion, aliases
@@ -119,20 +120,8 @@ class Layout:
 
 def pick_backend(requested: str) -> tuple[str, torch.device]:
     """Backend and buffer device: auto = NCCL with CUDA, HCCL with an Ascend device, else gloo."""
-    if requested in ("auto", "nccl") and torch.cuda.is_available():
-        return "nccl", torch.device("cuda", torch.cuda.current_device())
-    if requested == "nccl":
-        raise ValueError("collective_backend: nccl requested but CUDA is not available")
-    if requested in ("auto", "hccl"):
-        try:
-            import torch_npu  # noqa: F401
-            if torch.npu.is_available():  # type: ignore[attr-defined]
-                return "hccl", torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-        except ImportError:
-            pass
-        if requested == "hccl":
-            raise ValueError("collective_backend: hccl requested but torch_npu/an Ascend device is not available")
-    return "gloo", torch.device("cpu")
+    acc = detect(requested, "collective_backend")
+    return acc.backend, acc.device()
 
 
 def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout_s: float):

@@ -1,0 +1,127 @@
+"""The accelerator a process runs on: the one place that knows CUDA, Ascend NPUs and the CPU.
+
+An :class:`Accelerator` names the torch device type, the process-group
+backend that goes with it (NCCL, HCCL, gloo), the variable through which
+Slurm and the driver say which devices a job may use
+(``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), and the calls
+that differ between them: select a device, count them, synchronise, empty
+the allocator's cache, peak memory. :func:`detect` picks one for a
+requested backend (``auto``: CUDA, else an Ascend NPU, else the CPU).
+``torch_npu`` is imported only when an NPU is asked for or looked for, and
+only once; on a machine without it nothing Ascend is touched.
+
+Used by the trainer's rank bootstrap (:func:`hpcrl.runtime.dist.pick_device`),
+the collective weight transport's groups, the rollout job's device count and
+the trainer's ``memory/peak_mb`` metric.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+__all__ = ["Accelerator", "CPU", "CUDA", "NPU", "detect", "npu_available", "of", "visible_device_count"]
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    kind: str  # torch device type: "cuda" | "npu" | "cpu"
+    backend: str  # process-group backend: "nccl" | "hccl" | "gloo"
+    visible_var: str | None  # the visible-devices variable Slurm/the driver sets (None: the CPU)
+
+    @property
+    def module(self) -> ModuleType | None:
+        """``torch.cuda`` / ``torch.npu`` (None for the CPU)."""
+        if self.kind == "cuda":
+            return torch.cuda
+        if self.kind == "npu":
+            _import_torch_npu()
+            return torch.npu  # type: ignore[attr-defined]
+        return None
+
+    def device(self, index: int | None = None) -> torch.device:
+        if self.module is None:
+            return torch.device("cpu")
+        return torch.device(self.kind, self.module.current_device() if index is None else index)
+
+    def set_device(self, index: int) -> torch.device:
+        """Make device ``index`` this process's current one (a no-op on the CPU); returns it."""
+        if self.module is not None:
+            self.module.set_device(index)
+        return self.device(index)
+
+    def device_count(self) -> int:
+        return self.module.device_count() if self.module is not None else 0
+
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def empty_cache(self) -> None:
+        """Give the caching allocator's free blocks back to the driver (after a model is dropped)."""
+        if self.module is not None:
+            self.module.empty_cache()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory of this process: device memory allocated by torch, or on the CPU the peak resident set."""
+        if self.module is not None:
+            return int(self.module.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+CUDA = Accelerator("cuda", "nccl", "CUDA_VISIBLE_DEVICES")
+NPU = Accelerator("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
+CPU = Accelerator("cpu", "gloo", None)
+_BY_BACKEND = {"nccl": CUDA, "hccl": NPU, "gloo": CPU}
+
+
+@functools.cache
+def _import_torch_npu() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu and the HCCL backend)
+    except ImportError:
+        return False
+    return True
+
+
+def npu_available() -> bool:
+    return _import_torch_npu() and torch.npu.is_available()  # type: ignore[attr-defined]
+
+
+def detect(backend: str = "auto", what: str = "backend") -> Accelerator:
+    """The accelerator for a requested process-group backend (``auto``, ``nccl``, ``hccl``, ``gloo``);
+    ``what`` names the config key in the error when the requested one is not there."""
+    if backend not in ("auto", *_BY_BACKEND):
+        raise ValueError(f"{what}: unknown backend {backend!r} (auto, nccl, hccl, gloo)")
+    if backend in ("auto", "nccl") and torch.cuda.is_available():
+        return CUDA
+    if backend == "nccl":
+        raise ValueError(f"{what}: nccl requested but CUDA is not available")
+    if backend in ("auto", "hccl") and npu_available():
+        return NPU
+    if backend == "hccl":
+        raise ValueError(f"{what}: hccl requested but torch_npu/an Ascend device is not available")
+    return CPU
+
+
+def of(device: torch.device) -> Accelerator:
+    """The accelerator a torch device belongs to."""
+    return {"cuda": CUDA, "npu": NPU}.get(device.type, CPU)
+
+
+def visible_device_count(requested: int = 0) -> int:
+    """Accelerators this job may use: the visible-devices list Slurm/the driver set, else ``requested``,
+    else what torch sees."""
+    for acc in (CUDA, NPU):
+        ids = os.environ.get(acc.visible_var or "")
+        if ids is not None:
+            return len([i for i in ids.split(",") if i.strip()])
+    if requested:
+        return requested
+    acc = detect("auto")
+    return acc.device_count()
