@@ -42,6 +42,8 @@ QUICK = "configs/quickstart.yaml"
     ("trainer=3", "trainer", "section"),
     ("trainer.betas=0.9", "trainer.betas", "list"),
     ("weights.mode=ftp", "weights.mode", "'disk'"),
+    ("trainer.lora.rank=-2", "trainer.lora.rank", ">= 0"),
+    ("trainer.lora.dropout=0.1", "trainer.lora.dropout", "rank"),  # no adapter dropout (see trainer.md)
 ])
 def test_bad_value_names_key(override: str, key: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -10,7 +10,8 @@ from typing import Literal
 class LoraSettings:
     rank: int = 0  # adapter rank r; 0 = full fine-tuning
     alpha: float = 16.0  # scaling = alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (trainer forward passes only)
+    # no adapter dropout: the no-grad proximal pass and the first update's own forward must see the same
+    # function, or the PPO ratio of on-policy tokens is noise instead of 1
     # module names (suffixes) that get an adapter: attention and MLP projections of Qwen/Llama layers
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
@@ -20,8 +21,6 @@ class LoraSettings:
             raise ValueError(f"rank: must be >= 0 (0 = no LoRA), got {self.rank}")
         if self.alpha <= 0:
             raise ValueError(f"alpha: must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
         if self.rank and not self.target_modules:
             raise ValueError("target_modules: LoRA needs at least one module name")
 

@@ -35,7 +35,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> dict[str, floa
         from peft.tuners.lora import LoraLayer
     except ImportError as e:  # pragma: no cover - the extra is missing
         raise ImportError("trainer.lora.rank > 0 needs PEFT: pip install 'hpcrl[lora]'") from e
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0,
                         target_modules=list(settings.target_modules), bias="none")
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
