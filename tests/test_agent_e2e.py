@@ -65,3 +65,22 @@ def test_agent_run_survives_a_killed_rollout_and_trains_each_episode_once(tmp_pa
     for s in samples:
         assert s.reward in (0.0, 0.5, 1.0)
         assert (s.reward == 1.0) == s.loss_mask.all()  # right the first time <=> a single trained turn
+
+
+def test_agent_episodes_in_colocated_mode(tmp_path) -> None:
+    """launch.mode=colocated: the one process's rollout worker runs the agent episodes through its proxy
+    between training steps (synchronous, eta = 0); the audit passes and the episodes are counted."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    args = [f"run_dir={run}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
+            "launch.mode=colocated", "admission.max_staleness=0", "model.tiny_hidden_size=32", "model.tiny_layers=2",
+            "data.n_train=500", "data.n_eval=20", "sft.enabled=false", "admission.batch_size=4",
+            "rollout.group_size=4", "rollout.max_batch_size=16", "rollout.max_new_tokens=4",
+            "trainer.total_steps=4", "eval.every_steps=4", "eval.size=20"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/agent_feedback.yaml"),
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rep = audit(run)
+    assert rep.ok and rep.steps == 4 and rep.max_token_staleness == 0, rep.violations
+    episodes = json.loads((run / "logs" / "colocated.stats.json").read_text())["episodes"]
+    assert episodes["ok"] >= 4 * 4 * 4 and episodes["turns"] > episodes["ok"]  # some took the second attempt

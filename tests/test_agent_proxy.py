@@ -185,3 +185,23 @@ def test_tool_call_parsing_keeps_what_is_not_a_call() -> None:
     assert [c["function"]["name"] for c in calls] == ["f"] and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
     assert text == "ok  <tool_call>not json</tool_call>"
     assert parse_tool_calls("plain") == ("plain", [])
+
+
+def test_a_chat_reply_cut_at_a_stop_string_is_continued_with_its_turn_closed(served) -> None:
+    """The reply the agent gets ends before the stop string, the trained tokens include it; the next call
+    continues those tokens and then closes the assistant turn as the template does."""
+    proxy, engine, url = served
+    key = proxy.open(("t", "stop"))
+    c = client(url, key)
+    engine.script += ["hi;there", "ok"]
+    messages = [{"role": "user", "content": "say hi"}]
+    r = c.chat.completions.create(model="x", messages=messages, stop=[";"])
+    assert r.choices[0].message.content == "hi" and r.choices[0].finish_reason == "stop"
+    c.chat.completions.create(model="x", messages=[*messages, {"role": "assistant", "content": "hi"},
+                                                   {"role": "user", "content": "again"}])
+    asked = proxy.tokenizer.decode(engine.asked[-1], skip_special_tokens=False)
+    assert asked == "user: say hi<eos>\nassistant: hi;<eos>\nuser: again<eos>\nassistant: "
+    calls = proxy.close(key).calls
+    assert calls[1].prompt_ids[:len(calls[0].prompt_ids) + len(calls[0].output_ids)] == \
+        calls[0].prompt_ids + calls[0].output_ids  # the exact continuation: one trained branch
+    assert concat(calls).turns == 2

@@ -65,10 +65,14 @@ async def unruly_agent(data: dict, *, base_url: str, api_key: str) -> float:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     await client.completions.create(model="policy", prompt=data["prompt"], max_tokens=3)
     await client.close()
+    if i == 4:
+        return float("nan")  # would poison the group's advantages
+    if i == 5:
+        raise asyncio.CancelledError()  # its own, not the job stopping: an error like any other
     return 1.0
 
 
-def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0) -> tuple[RolloutWorker, Spool]:
+def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = ROWS) -> tuple[RolloutWorker, Spool]:
     model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
                                                                      num_kv_heads=2, head_dim=16,
                                                                      intermediate_size=64))
@@ -76,13 +80,13 @@ def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0) -> tuple[RolloutWor
     engine = TorchEngine(load_model(model_dir), eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
                          sampling=SamplingParams(max_new_tokens=4), seed=0)
-    admission = AdmissionConfig(batch_size=4, max_staleness=0)
+    admission = AdmissionConfig(batch_size=len(rows), max_staleness=0)
     runner = AgentEpisodes(engine, tokenizer, AgentConfig(fn="x:y", timeout_s=timeout_s, max_concurrent_episodes=8),
                            fn, max_tokens=4)
     spool = Spool(tmp_path / "spool")
     worker = RolloutWorker(RolloutConfig(group_size=2, max_batch_size=8, max_new_tokens=4), admission,
-                           engine=engine, tokenizer=tokenizer, rows=ROWS,
-                           ledger=AdmissionLedger(tmp_path / "admission", admission, len(ROWS)), spool=spool,
+                           engine=engine, tokenizer=tokenizer, rows=rows,
+                           ledger=AdmissionLedger(tmp_path / "admission", admission, len(rows)), spool=spool,
                            reward=RewardRunner(RewardConfig()), writer="w0", episodes=runner)
     return worker, spool
 
@@ -125,21 +129,25 @@ def test_multi_turn_agent_episodes_are_published_whole_with_the_feedback_masked(
     assert worker.episodes.stats["ok"] == 8 and worker.episodes.stats["off_branch_calls"] == 0
 
 
-def test_agents_that_raise_hang_or_never_ask_score_zero_and_the_run_goes_on(tmp_path) -> None:
-    worker, spool = make_worker(tmp_path, unruly_agent, timeout_s=1.0)
-    run_until(worker, 4)
+def test_agents_that_raise_hang_never_ask_or_return_no_number_score_zero_and_the_run_goes_on(tmp_path) -> None:
+    rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(6)]
+    worker, spool = make_worker(tmp_path, unruly_agent, timeout_s=1.0, rows=rows)
+    run_until(worker, 6)
     by_row = {g.meta["row"]: g for g in (read_group(e.path) for e in spool.ready())}
     assert by_row[0].meta["reward_status"] == ["error", "error"]
     assert by_row[1].meta["reward_status"] == ["no_call", "no_call"]
     assert by_row[2].meta["reward_status"] == ["timeout", "timeout"]
     assert by_row[3].meta["reward_status"] == ["ok", "ok"]
-    for row in (0, 1, 2):
+    assert by_row[4].meta["reward_status"] == ["invalid", "invalid"]
+    assert by_row[5].meta["reward_status"] == ["error", "error"]
+    for row in (0, 1, 2, 4, 5):
         assert [s.reward for s in by_row[row].samples] == [0.0, 0.0]
     assert all(len(s.response_ids) == 0 for s in by_row[1].samples)  # nothing generated: an empty sample
     assert [s.reward for s in by_row[3].samples] == [1.0, 1.0] and all(len(s.response_ids) for s in by_row[3].samples)
     assert by_row[3].prompt_ids.tolist() == worker.tokenizer.encode("3+3=", add_special_tokens=False)
-    assert worker.episodes.stats == {"error": 2, "no_call": 2, "timeout": 2, "ok": 2, "turns": 2,
+    assert worker.episodes.stats == {"error": 4, "no_call": 2, "timeout": 2, "ok": 2, "invalid": 2, "turns": 6,
                                      "off_branch_calls": 0}
+    assert not worker.episodes._results and not worker.episodes._delivered and not worker.episodes._runs
 
 
 def test_agent_fn_must_be_an_importable_async_function() -> None:

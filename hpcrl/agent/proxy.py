@@ -168,6 +168,11 @@ class AgentProxy:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        """Text of ``ids`` exactly: no clean-up of spaces before punctuation (some tokenizers default to it),
+        so that a longer prefix of tokens always decodes to a longer prefix of text."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+
     def chat_prompt(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Token ids of a chat request's prompt, continuing the longest earlier call it extends exactly."""
         full = self.render(messages, tools, True)
@@ -176,11 +181,20 @@ class AgentProxy:
                 continue
             head = self.render([*call.messages, call.reply], tools, False)
             asked = self.render(call.messages, tools, True)
-            said = self.tokenizer.decode(call.output_ids, skip_special_tokens=False)
+            said = self.decode(call.output_ids, False)
             if not (full.startswith(head) and head.startswith(asked)):
                 continue  # a template that does not render turn by turn: render from scratch
             reply_text = head[len(asked):]
-            trailer = reply_text[len(said):] if reply_text.startswith(said) else ""  # e.g. the newline after eos
+            # what the template writes after the model's own tokens: the newline after eos; after a reply cut at
+            # a stop string (the tokens keep it, the agent got the text before it), the whole turn closer
+            content = (call.reply or {}).get("content") or ""
+            if reply_text.startswith(said):
+                trailer = reply_text[len(said):]
+            elif call.finish_reason == "stop" and content and said.startswith(content) \
+                    and reply_text.startswith(content):
+                trailer = reply_text[len(content):]
+            else:  # the reply renders otherwise than the tokens read: no exact continuation
+                continue
             return [*call.prompt_ids, *call.output_ids, *self.encode(trailer + full[len(head):])]
         return self.encode(full)
 
@@ -202,7 +216,7 @@ class AgentProxy:
         A prefix that holds a stop string stays holding it as tokens are added, so the first such prefix
         is found by bisection: O(log n) decodes, one when the output holds no stop string at all."""
         def hit(k: int) -> bool:
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            text = self.decode(ids[:k], True)
             return any(s and s in text for s in stop)
 
         if not hit(len(ids)):
@@ -217,12 +231,12 @@ class AgentProxy:
         return lo
 
     def _text(self, ids: list[int], stop: list[str]) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.decode(ids, True)
         hits = [text.index(s) for s in stop if s and s in text]
         return text[:min(hits)] if hits else text
 
     def _token_logprobs(self, call: Call) -> list[dict]:
-        toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_ids]
+        toks = [self.decode([t], False) for t in call.output_ids]
         return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, lp in zip(toks, call.logprobs)]
 
@@ -303,7 +317,7 @@ class AgentProxy:
         return app
 
     def _completion_logprobs(self, call: Call) -> dict:
-        toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_ids]
+        toks = [self.decode([t], False) for t in call.output_ids]
         return {"tokens": toks, "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
 
 

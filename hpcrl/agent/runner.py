@@ -14,7 +14,8 @@ Lifecycle:
 2. ``start(key, ...)`` schedules an episode on the loop. Its engine calls
    become requests queued for the rollout loop's thread, which submits them
    in ``finished()``; their completions come back through ``collect()``.
-3. When the function returns (its float is the reward), raises, or runs past
+3. When the function returns (its number is the reward; anything else, NaN
+   and inf included, is "invalid" and 0), raises, or runs past
    ``agent.timeout_s`` (reward 0 then), the session is closed and its calls
    exported (:func:`hpcrl.agent.export.concat`); ``finished()`` hands the
    episode to the loop with its own prompt. An episode that made no call is
@@ -40,7 +41,7 @@ from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import concat
 from hpcrl.agent.proxy import AgentProxy, ProxyError
 from hpcrl.data.rows import Row
-from hpcrl.reward.runner import RewardResult, load_function
+from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 from hpcrl.rollout.episodes import Episode, EpisodeKey
 
@@ -68,11 +69,15 @@ class AgentEpisodes:
         self.engine, self.cfg, self.fn = engine, cfg, fn
         self.stats: Counter = Counter()  # ok / error / timeout / no_call episodes, off-branch calls
         self._ids = itertools.count()
-        self._runs: dict[EpisodeKey, int] = {}  # key -> the current run's number (older results are dropped)
+        self._run_ids = itertools.count(1)
+        self._runs: dict[EpisodeKey, int] = {}  # key -> its current run's id, until delivered (older runs dropped)
         self._pending: dict[int, asyncio.Future] = {}  # request id -> its caller's future (loop thread only)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()  # made on the loop, submitted on the rollout's
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._rewards: dict[int, RewardResult] = {}  # id(episode) -> its result, until score()
+        # a delivered episode's result until score(): id(episode) -> (key, result), and key -> id(episode) so
+        # that an episode the loop starts again instead of scoring leaves nothing behind
+        self._results: dict[int, tuple[EpisodeKey, RewardResult]] = {}
+        self._delivered: dict[EpisodeKey, int] = {}
         self._tasks: set[asyncio.Task] = set()  # running episodes (loop thread only)
         self._news = threading.Event()  # set when a request is queued or an episode ended
         self.loop = asyncio.new_event_loop()
@@ -104,7 +109,10 @@ class AgentEpisodes:
         return self.cfg.max_concurrent_episodes
 
     def start(self, key: EpisodeKey, prompt_ids: list[int], row: Row) -> None:
-        run = self._runs[key] = self._runs.get(key, 0) + 1
+        run = self._runs[key] = next(self._run_ids)
+        stale = self._delivered.pop(key, None)  # delivered, then judged too stale and started again
+        if stale is not None:
+            self._results.pop(stale, None)
         data = {"prompt": row.prompt, "answer": row.answer, "index": row.index, **row.extra}
         asyncio.run_coroutine_threadsafe(self._episode(key, run, data), self.loop)
 
@@ -120,12 +128,19 @@ class AgentEpisodes:
             key, run, episode, result = self._done.get()
             if self._runs.get(key) != run:  # restarted meanwhile: the newer run counts
                 continue
-            self._rewards[id(episode)] = result
+            del self._runs[key]
+            self._results[id(episode)] = (key, result)
+            self._delivered[key] = id(episode)
             out.append((key, episode))
         return out
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
-        return [self._rewards.pop(id(e)) for e in episodes]
+        out = []
+        for e in episodes:
+            key, result = self._results.pop(id(e))
+            self._delivered.pop(key, None)
+            out.append(result)
+        return out
 
     def wait(self, timeout_s: float) -> None:
         """Block until an episode made a request or ended, or ``timeout_s`` passed."""
@@ -179,11 +194,16 @@ class AgentEpisodes:
             try:
                 value = await asyncio.wait_for(self.fn(data, base_url=self.base_url, api_key=api_key),
                                                self.cfg.timeout_s)
-                reward = float(value)
+                reward, status, detail = to_reward(value)  # NaN, inf, strings, None: "invalid", 0
+                if status != "ok":
+                    log.warning("agent episode %s %s", key, detail)
             except asyncio.TimeoutError:
                 status = "timeout"
             except asyncio.CancelledError:
-                raise
+                if asyncio.current_task().cancelling():  # close() cancelled it: the job is stopping
+                    raise
+                status = "error"  # the user's code raised CancelledError of its own
+                log.warning("agent episode %s raised CancelledError", key)
             except Exception as e:  # noqa: BLE001 - the user's code: any failure scores 0 and the run goes on
                 status = "error"
                 log.warning("agent episode %s raised %s: %s", key, type(e).__name__, e)

@@ -145,6 +145,7 @@ def write_stats(path: Path, worker: RolloutWorker, transfer=None) -> None:
     engine = getattr(worker.engine, "stats", None)
     atomic.write_json(path, {**asdict(worker.stats), "wall_s": time.time() - worker.stats.started,
                              "engine": dict(engine) if engine is not None else None,
+                             "episodes": dict(getattr(worker.episodes, "stats", None) or {}),
                              "transfer": asdict(transfer) if transfer is not None else None})
 
 
