@@ -101,7 +101,10 @@ def check_adapters(cfg: RunConfig, src: Path) -> None:
     """A checkpoint's policy state loads only into a trainer with the same LoRA adapters (or none)."""
     theirs = lora_settings_of(src) if has_adapters(src) else None
     ours = cfg.trainer.lora if cfg.trainer.lora.rank else None
-    if theirs != ours:
+    def same(s) -> tuple | None:
+        return None if s is None else (s.rank, float(s.alpha), sorted(s.target_modules))
+
+    if same(theirs) != same(ours):
         def say(s) -> str:
             return "full fine-tuning" if s is None else f"LoRA rank {s.rank}, alpha {s.alpha}, {s.target_modules}"
 

@@ -377,3 +377,20 @@ def test_lora_trains_only_adapters_publishes_merged_weights_and_resumes(tmp_path
         torch.testing.assert_close(v, merged[k], rtol=0, atol=1e-6)
     for k, v in lora["resumed"].items():  # checkpoint after 2 steps, one more step = the third step
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target, refused", [("lm_head", "tied"), ("embed_tokens", "plain linear")])
+def test_lora_refuses_adapters_it_could_not_merge(target: str, refused: str) -> None:
+    """A head tied to the embeddings (a merged adapter would change both) and an embedding (PEFT's
+    lora_embedding_* adapters) are refused when the adapters are injected, before any training."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hpcrl.trainer.config import LoraSettings
+    from hpcrl.trainer.lora import apply_lora
+
+    cfg = Qwen3Config(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=f"target_modules: '{target}'.*{refused}"):
+        apply_lora(Qwen3ForCausalLM(cfg), LoraSettings(rank=2, target_modules=[target]))
+    with pytest.raises(ValueError, match="matched no module"):
+        apply_lora(Qwen3ForCausalLM(cfg), LoraSettings(rank=2, target_modules=["c_attn"]))

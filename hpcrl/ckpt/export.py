@@ -31,11 +31,9 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
     with torch.no_grad():
         model.load_state_dict(state["model"])
         if scalings is not None:
-            from hpcrl.trainer.lora import merge_lora
+            from hpcrl.trainer.lora import unload_merged
 
-            merged = merge_lora(model.state_dict(), scalings)
-            model = load_model(base_model)
-            model.load_state_dict(merged)
+            unload_merged(model, scalings)
     return save_model(model, load_tokenizer(base_model), out)
 
 

@@ -18,12 +18,15 @@ the trainer's ``memory/peak_mb`` metric.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import resource
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Accelerator", "CPU", "CUDA", "NPU", "detect", "npu_available", "of", "visible_device_count"]
 
@@ -85,6 +88,9 @@ def _import_torch_npu() -> bool:
     try:
         import torch_npu  # noqa: F401  (registers torch.npu and the HCCL backend)
     except ImportError:
+        return False
+    except Exception as e:  # noqa: BLE001 - installed but broken (CANN's environment not sourced, say)
+        log.warning("torch_npu is installed but does not import (%s: %s): no Ascend device", type(e).__name__, e)
         return False
     return True
 

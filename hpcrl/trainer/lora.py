@@ -23,7 +23,7 @@ import torch
 
 from hpcrl.trainer.config import LoraSettings
 
-__all__ = ["apply_lora", "merge_lora"]
+__all__ = ["apply_lora", "merge_lora", "merged_weight", "unload_merged"]
 
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -37,15 +37,42 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> dict[str, floa
         raise ImportError("trainer.lora.rank > 0 needs PEFT: pip install 'hpcrl[lora]'") from e
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0,
                         target_modules=list(settings.target_modules), bias="none")
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    names = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n})
+    no_match = ValueError(f"trainer.lora.target_modules {settings.target_modules} matched no module of the model "
+                          f"(its module names: {names})")
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as e:  # PEFT's NoMatchingPeftModuleError
+        if "not found" in str(e):
+            raise no_match from None
+        raise
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
-    scalings = {name: float(m.scaling[ADAPTER]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    if not scalings:
-        names = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules()})
-        raise ValueError(f"trainer.lora.target_modules {settings.target_modules} matched no module of the model "
-                         f"(its module names: {names})")
-    return scalings
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not adapted:
+        raise no_match
+    _check_mergeable(model, adapted)
+    return {name: float(m.scaling[ADAPTER]) for name, m in adapted.items()}
+
+
+def _check_mergeable(model: torch.nn.Module, adapted: dict[str, torch.nn.Module]) -> None:
+    """:func:`merge_lora` merges plain linear layers whose weight is their own: refuse anything else
+    (embeddings, transposed Conv1D weights, a head tied to the embeddings) before training starts."""
+    from peft.tuners.lora import Linear
+
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for name, m in adapted.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if type(m) is not Linear or getattr(m, "fan_in_fan_out", False):
+            raise ValueError(f"trainer.lora.target_modules: {leaf!r} ({name}) is a {type(m.base_layer).__name__}; "
+                             f"adapters are merged into plain linear layers only")
+        shared = owners.get(id(m.base_layer.weight), [])
+        if len(shared) > 1:
+            raise ValueError(f"trainer.lora.target_modules: {leaf!r} ({name}) shares its weight with "
+                             f"{[n for n in shared if not n.startswith(name + '.')]} (tied); a merged adapter would "
+                             f"change both")
 
 
 def merge_lora(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
@@ -59,8 +86,27 @@ def merge_lora(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> di
             out[name] = tensor
             continue
         if leaf == "weight":
-            a = state[f"{prefix}.lora_A.{ADAPTER}.weight"].float()
-            b = state[f"{prefix}.lora_B.{ADAPTER}.weight"].float()
-            tensor = (tensor.float() + scalings[prefix] * (b @ a)).to(tensor.dtype)
+            tensor = merged_weight(tensor, state[f"{prefix}.lora_A.{ADAPTER}.weight"],
+                                   state[f"{prefix}.lora_B.{ADAPTER}.weight"], scalings[prefix])
         out[f"{prefix}.{leaf}"] = tensor
     return out
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``base + scaling * b @ a`` computed in float32, in ``base``'s dtype."""
+    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+
+
+def unload_merged(model: torch.nn.Module, scalings: dict[str, float]) -> torch.nn.Module:
+    """Merge each adapter into its base layer in place and put the base layer back (HF names again),
+    one layer at a time: no second copy of the model."""
+    with torch.no_grad():
+        for prefix, scaling in scalings.items():
+            parent_name, _, leaf = prefix.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            layer = getattr(parent, leaf)
+            base = layer.base_layer
+            base.weight.copy_(merged_weight(base.weight, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
+                                            scaling))
+            setattr(parent, leaf, base)
+    return model
