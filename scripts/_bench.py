@@ -9,10 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def submit(run_dir: Path, overrides: list[str], name: str) -> Path:
-    """Run ``python -m hpcrl.submit`` on the quickstart config with ``overrides``; exit on failure."""
-    cmd = [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
-           f"run_dir={run_dir}", *overrides]
+def submit(run_dir: Path, overrides: list[str], name: str, config: str = "configs/quickstart.yaml") -> Path:
+    """Run ``python -m hpcrl.submit`` on ``config`` (the quickstart's) with ``overrides``; exit on failure."""
+    cmd = [sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / config), f"run_dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")

@@ -12,7 +12,11 @@ on the same cores with the same seed, for
   the behaviour policy, no proximal recompute, no behaviour weight (at eta = 0
   the two objectives are the same);
 * ``keepkv_eta4``: decoupled PPO, eta = 4, in-flight sequences keeping their KV
-  cache across weight updates (``rollout.kv_on_update=keep``).
+  cache across weight updates (``rollout.kv_on_update=keep``);
+* trainer variants at eta = 2, next to ``eta2``: ``bf16_eta2`` (``model.dtype=bfloat16``:
+  bf16 forward/backward over float32 master weights, bf16 rollout engine),
+  ``lora8_eta2`` and ``lora8_lr1e-3_eta2`` (``trainer.lora.rank=8``, alpha 16:
+  PEFT adapters only, at the full fine-tuning learning rate and at 10x it).
 
 ``--study`` runs the staleness study instead: the grid :data:`STUDY` of
 objective (decoupled or plain PPO) x ``trainer.n_minibatches`` (1: the ratio
@@ -54,6 +58,11 @@ RUNS = {
     **{f"eta{e}": [f"admission.max_staleness={e}"] for e in (0, 1, 2, 4, 8)},
     **{f"plain_eta{e}": [f"admission.max_staleness={e}", "algo.decoupled=false"] for e in (1, 2, 4, 8)},
     "keepkv_eta4": ["admission.max_staleness=4", "rollout.kv_on_update=keep"],
+    # trainer variants at the quickstart's eta = 2, next to eta2 (full fine-tuning in float32)
+    "bf16_eta2": ["admission.max_staleness=2", "model.dtype=bfloat16"],
+    "lora8_eta2": ["admission.max_staleness=2", "trainer.lora.rank=8", "trainer.lora.alpha=16"],
+    "lora8_lr1e-3_eta2": ["admission.max_staleness=2", "trainer.lora.rank=8", "trainer.lora.alpha=16",
+                          "trainer.lr=1e-3"],
 }
 
 
@@ -84,6 +93,7 @@ def run(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) ->
             "reward": [(r["step"], r["reward/mean"]) for r in steps],
             "samples_per_s": steps[-1].get("throughput/samples_per_s") if steps else None,
             "staleness_max": max((r.get("staleness/max", 0) for r in steps), default=None),
+            "trainer_peak_mb": max((r["memory/peak_mb"] for r in steps if "memory/peak_mb" in r), default=None),
             "wall_s": evals[-1]["wall_s"] if evals else None}
 
 
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             acc = [e["accuracy"] for e in r["evals"]]
             print(f"{name:12s} accuracy {100 * acc[0]:5.1f}% -> {100 * acc[-1]:5.1f}% (best {100 * max(acc):5.1f}%)  "
                   f"{r['samples_per_s'] or 0:6.1f} samples/s  staleness max {r['staleness_max']}  "
-                  f"{time.time() - t0:.0f}s", flush=True)
+                  f"trainer peak {r['trainer_peak_mb'] or 0:.0f} MiB  {time.time() - t0:.0f}s", flush=True)
     summarise(results)
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "steps": args.steps, "eval_every": args.eval_every, "eval_size": args.eval_size,
