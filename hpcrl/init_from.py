@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
-from hpcrl.ckpt.export import has_adapters, lora_settings_of, to_hf
+from hpcrl.ckpt.export import has_adapters, lora_settings_of, saved_keys, to_hf
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name
 
@@ -92,15 +92,14 @@ def link_or_copy(src: str, dst: str) -> None:
 
 
 def has_critic(ckpt: Path) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return any(k.startswith("critic.") for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    return any(k.startswith("critic.") for k in saved_keys(ckpt))
 
 
 def check_adapters(cfg: RunConfig, src: Path) -> None:
     """A checkpoint's policy state loads only into a trainer with the same LoRA adapters (or none)."""
     theirs = lora_settings_of(src) if has_adapters(src) else None
     ours = cfg.trainer.lora if cfg.trainer.lora.rank else None
+
     def same(s) -> tuple | None:
         return None if s is None else (s.rank, float(s.alpha), sorted(s.target_modules))
 

@@ -37,12 +37,14 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
     return save_model(model, load_tokenizer(base_model), out)
 
 
+def saved_keys(ckpt: Path) -> list[str]:
+    """The flattened state keys a DCP checkpoint holds (``model.<param>``, ``critic.<param>``, ``optim...``)."""
+    return list(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+
+
 def has_adapters(ckpt: Path) -> bool:
     """Whether a checkpoint's policy carries LoRA adapters (it was saved by a ``trainer.lora.rank > 0`` run)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return any(k.startswith("model.") and ".lora_A." in k
-               for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    return any(k.startswith("model.") and ".lora_A." in k for k in saved_keys(ckpt))
 
 
 def lora_settings_of(ckpt: Path):

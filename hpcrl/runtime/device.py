@@ -4,8 +4,7 @@ An :class:`Accelerator` names the torch device type, the process-group
 backend that goes with it (NCCL, HCCL, gloo), the variable through which
 Slurm and the driver say which devices a job may use
 (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), and the calls
-that differ between them: select a device, count them, synchronise, empty
-the allocator's cache, peak memory. :func:`detect` picks one for a
+that differ between them: select a device, count them, peak memory. :func:`detect` picks one for a
 requested backend (``auto``: CUDA, else an Ascend NPU, else the CPU).
 ``torch_npu`` is imported only when an NPU is asked for or looked for, and
 only once; on a machine without it nothing Ascend is touched.
@@ -60,15 +59,6 @@ class Accelerator:
 
     def device_count(self) -> int:
         return self.module.device_count() if self.module is not None else 0
-
-    def synchronize(self) -> None:
-        if self.module is not None:
-            self.module.synchronize()
-
-    def empty_cache(self) -> None:
-        """Give the caching allocator's free blocks back to the driver (after a model is dropped)."""
-        if self.module is not None:
-            self.module.empty_cache()
 
     def peak_memory_bytes(self) -> int:
         """Peak memory of this process: device memory allocated by torch, or on the CPU the peak resident set."""

@@ -8,10 +8,11 @@ from typing import Literal
 
 @dataclass
 class LoraSettings:
+    """``trainer.lora``. There is no adapter dropout: the no-grad proximal pass and an update's own forward
+    must compute the same function, or the PPO ratio of on-policy tokens is noise instead of 1."""
+
     rank: int = 0  # adapter rank r; 0 = full fine-tuning
     alpha: float = 16.0  # scaling = alpha / rank
-    # no adapter dropout: the no-grad proximal pass and the first update's own forward must see the same
-    # function, or the PPO ratio of on-policy tokens is noise instead of 1
     # module names (suffixes) that get an adapter: attention and MLP projections of Qwen/Llama layers
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])

@@ -120,7 +120,7 @@ class Layout:
 
 def pick_backend(requested: str) -> tuple[str, torch.device]:
     """Backend and buffer device: auto = NCCL with CUDA, HCCL with an Ascend device, else gloo."""
-    acc = detect(requested, "collective_backend")
+    acc = detect(requested, "weights.collective_backend")
     return acc.backend, acc.device()
 
 
