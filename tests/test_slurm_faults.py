@@ -212,6 +212,7 @@ def test_component_jobs_reaching_their_time_limit_checkpoint_and_are_resubmitted
     assert rep.steps == STEPS and rep.unfinished == 0
 
 
+@pytest.mark.long  # 6-9 minutes, most of it a requeued job pending: opt-in with -m long
 def test_het_allocation_reaching_its_walltime_is_requeued_and_resumes(tmp_path, het_steps) -> None:
     """``sbatch --time=2 --signal=B:USR2@30 sbatch/run_async_ppo.sh``: the supervisor stops every
     component at a checkpoint, requeues the job, and the requeued job resumes the run to the end."""
