@@ -82,9 +82,18 @@ def study_rows() -> dict[str, list[str]]:
 STUDY = study_rows()
 
 
+def settings(extra: list[str], args: argparse.Namespace) -> list[str]:
+    """Every override a run of ``extra`` gets: the study's length and evaluation, the row's, the command line's."""
+    return [f"trainer.total_steps={args.steps}", f"eval.every_steps={args.eval_every}",
+            f"eval.size={args.eval_size}", *extra, *args.overrides]
+
+
 def run(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict:
-    run_dir = submit(workdir / name, [f"trainer.total_steps={args.steps}", f"eval.every_steps={args.eval_every}",
-                                      f"eval.size={args.eval_size}", *extra, *args.overrides], name)
+    return read_run(submit(workdir / name, settings(extra, args), name), extra)
+
+
+def read_run(run_dir: Path, extra: list[str]) -> dict:
+    """One finished run's curves and summary, from its ``logs/metrics.jsonl``."""
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     evals = [{"step": r.get("step", 0), "wall_s": r.get("time/elapsed_s", 0.0), "accuracy": r["eval/accuracy"]}
              for r in records if r.get("eval/accuracy") is not None]
@@ -139,8 +148,22 @@ def mean_se(values: list[float]) -> tuple[float, float | None]:
     return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
 
 
+def late_accuracy(r: dict) -> float:
+    """Mean held-out accuracy of the last three evaluations (steps 800-1000 of 1000): one evaluation at the
+    last step swings by 5-10 points from one evaluation to the next, the mean of three much less."""
+    return sum(e["accuracy"] for e in r["evals"][-3:]) / len(r["evals"][-3:])
+
+
+def late_reward(r: dict) -> float:
+    """Mean training reward over the last fifth of the steps (every sample of those steps, sampled at the
+    rollout temperature by the policy that generated it)."""
+    tail = r["reward"][-max(1, len(r["reward"]) // 5):]
+    return sum(x[1] for x in tail) / len(tail)
+
+
 def study_table(runs: dict) -> dict:
-    """Per row: mean and standard error over its seeds (final accuracy, gain, samples/s, wall seconds)."""
+    """Per row: mean and standard error over its seeds (final accuracy, gain, late accuracy and its gain,
+    late training reward, samples/s, wall seconds) and each seed's gain."""
     table = {}
     for row in STUDY:
         done = [r for key, r in sorted(runs.items()) if key.rsplit("@", 1)[0] == row]
@@ -149,22 +172,29 @@ def study_table(runs: dict) -> dict:
         stats = {"seeds": [r["seed"] for r in done]}
         for metric, get in (("final", lambda r: r["evals"][-1]["accuracy"]),
                             ("gain", lambda r: r["evals"][-1]["accuracy"] - r["evals"][0]["accuracy"]),
+                            ("late_gain", lambda r: late_accuracy(r) - r["evals"][0]["accuracy"]),
+                            ("reward_late", late_reward),
                             ("samples_per_s", lambda r: r["samples_per_s"] or 0.0),
                             ("wall_s", lambda r: r["wall_s"] or 0.0)):
             stats[metric], stats[f"{metric}_se"] = mean_se([get(r) for r in done])
+        stats["gain_by_seed"] = [r["evals"][-1]["accuracy"] - r["evals"][0]["accuracy"] for r in done]
         table[row] = stats
     return table
 
 
 def print_table(table: dict) -> None:
-    def pm(mean: float, se: float | None, scale: float = 100.0) -> str:
-        return f"{scale * mean:.1f}" + (f" ± {scale * se:.1f}" if se is not None else "")
+    def pm(mean: float, se: float | None, scale: float = 100.0, digits: int = 1) -> str:
+        return f"{scale * mean:.{digits}f}" + (f" ± {scale * se:.{digits}f}" if se is not None else "")
 
-    print("| row | seeds | final accuracy % | gain (points) | samples/s | wall s |")
-    print("|---|---|---|---|---|---|")
+    print("| row | seeds | final accuracy % | gain (points) | gain of the last 3 evaluations | "
+          "training reward, last fifth | gain per seed | samples/s | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row, t in table.items():
+        per_seed = " / ".join(f"{100 * g:+.1f}" for g in t["gain_by_seed"])
         print(f"| {row} | {len(t['seeds'])} | {pm(t['final'], t['final_se'])} | {pm(t['gain'], t['gain_se'])} | "
-              f"{pm(t['samples_per_s'], t['samples_per_s_se'], 1.0)} | {pm(t['wall_s'], t['wall_s_se'], 1.0)} |")
+              f"{pm(t['late_gain'], t['late_gain_se'])} | {pm(t['reward_late'], t['reward_late_se'], 1.0, 3)} | "
+              f"{per_seed} | {pm(t['samples_per_s'], t['samples_per_s_se'], 1.0)} | "
+              f"{pm(t['wall_s'], t['wall_s_se'], 1.0)} |")
 
 
 def plot_study(table: dict, path: Path) -> None:
@@ -186,6 +216,26 @@ def plot_study(table: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def adopt(spec: str, args: argparse.Namespace) -> tuple[str, Path]:
+    """``ROW@SEED=RUN_DIR``: a finished run made by hand, taken in as that row and seed only if its saved
+    configuration is exactly what the study would have run (the row's, the seed's and the command line's
+    overrides change nothing in it)."""
+    from hpcrl.config import load_config, load_saved
+
+    key, _, path = spec.partition("=")
+    row, _, seed = key.rpartition("@")
+    run_dir = Path(path)
+    if row not in STUDY or not seed.isdigit() or not path:
+        raise SystemExit(f"--adopt {spec}: expected ROW@SEED=RUN_DIR with ROW one of {', '.join(STUDY)}")
+    if not (run_dir / "DONE").exists():
+        raise SystemExit(f"--adopt {spec}: {run_dir} is not a finished run (no DONE)")
+    saved = load_saved(run_dir)
+    if load_config(run_dir / "config.yaml", settings([*STUDY[row], f"seed={seed}"], args)) != saved:
+        raise SystemExit(f"--adopt {spec}: {run_dir} was not run with the overrides of {row}, seed {seed} "
+                         f"and {settings([], args)}")
+    return key, run_dir
+
+
 def study(args: argparse.Namespace) -> dict:
     """The staleness study, resumable: ``args.out`` holds every finished (row, seed) run."""
     rows = args.rows.split(",") if args.rows else list(STUDY)
@@ -199,6 +249,11 @@ def study(args: argparse.Namespace) -> dict:
             "overrides": args.overrides}
     if runs and saved.get("meta") != meta:
         raise SystemExit(f"{args.out} holds a study with other settings ({saved.get('meta')}); use another --out")
+    for spec in args.adopt:
+        key, run_dir = adopt(spec, args)
+        runs[key] = read_run(run_dir, STUDY[key.rsplit("@", 1)[0]])
+        runs[key]["seed"] = int(key.rsplit("@", 1)[1])
+        print(f"adopted {run_dir} as {key}", flush=True)
     todo = [(row, seed) for seed in seeds for row in rows if f"{row}@{seed}" not in runs]
     print(f"staleness study: {len(todo)} runs to do, {len(runs)} done ({args.out})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--study", action="store_true", help="run the staleness study grid (resumable)")
     parser.add_argument("--rows", default="", help=f"with --study: a comma-separated subset of {', '.join(STUDY)}")
     parser.add_argument("--seeds", default="0,1,2", help="with --study: comma-separated seeds")
+    parser.add_argument("--adopt", action="append", default=[], metavar="ROW@SEED=RUN_DIR",
+                        help="with --study: take in a finished run made with `python -m hpcrl.submit` and exactly "
+                             "the row's overrides (checked against its config.yaml); repeatable")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.study:
