@@ -82,10 +82,17 @@ def study_rows() -> dict[str, list[str]]:
 STUDY = study_rows()
 
 
+# Every run here keeps the learning rate constant after warm-up, as the quickstart did when the study began,
+# so that its rows stay comparable when the quickstart's schedule changes; a decaying schedule is a command-line
+# override (``trainer.lr_schedule=cosine``), which comes later and wins.
+BASE = ["trainer.lr_schedule=constant"]
+
+
 def settings(extra: list[str], args: argparse.Namespace) -> list[str]:
-    """Every override a run of ``extra`` gets: the study's length and evaluation, the row's, the command line's."""
+    """Every override a run of ``extra`` gets: the study's length and evaluation, the base, the row's, the
+    command line's."""
     return [f"trainer.total_steps={args.steps}", f"eval.every_steps={args.eval_every}",
-            f"eval.size={args.eval_size}", *extra, *args.overrides]
+            f"eval.size={args.eval_size}", *BASE, *extra, *args.overrides]
 
 
 def run(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict:
