@@ -34,6 +34,14 @@ accuracy against eta (``bench/staleness.png``)::
 
     python scripts/bench_quality.py --study --steps 250 --seeds 0,1,2
 
+Each study row also reports the gain of the mean of the last three
+evaluations and the mean training reward of the last fifth of the steps
+(less noisy than one final evaluation) and every seed's gain. ``--adopt
+ROW@SEED=RUN_DIR`` takes in a run made by hand with ``python -m
+hpcrl.submit`` once its saved ``config.yaml`` shows exactly the row's
+overrides. Every run keeps the learning rate constant after warm-up
+(:data:`BASE`) unless an override says otherwise.
+
 Every run evaluates greedy held-out accuracy on ``--eval-size`` problems every
 ``--eval-every`` steps (and at the start). Writes ``bench/quality.json`` (every
 curve plus a summary per run: start, final and best accuracy, the accuracy
