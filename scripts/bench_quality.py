@@ -29,8 +29,8 @@ same held-out problems for every row. Every finished run is written to
 ``--out`` at once and skipped when the command is run again, so the study
 can be run in parts (``--rows``, ``--seeds``) and resumed after a stop. It
 prints and stores per row the mean and standard error over seeds of the
-final and the gained accuracy, samples/s and wall seconds, and plots final
-accuracy against eta (``bench/staleness.png``)::
+final and the gained accuracy, samples/s and wall seconds, and plots the
+accuracy gain against eta (``bench/staleness.png``)::
 
     python scripts/bench_quality.py --study --steps 250 --seeds 0,1,2
 
@@ -221,11 +221,11 @@ def plot_study(table: dict, path: Path) -> None:
     for fam in families:
         points = sorted((int(row.rsplit("_eta", 1)[1]), t) for row, t in table.items()
                         if row.rsplit("_eta", 1)[0] == fam)
-        ax.errorbar([e for e, _ in points], [100 * t["final"] for _, t in points],
-                    yerr=[100 * (t["final_se"] or 0.0) for _, t in points], marker="o", capsize=3,
+        ax.errorbar([e for e, _ in points], [100 * t["gain"] for _, t in points],
+                    yerr=[100 * (t["gain_se"] or 0.0) for _, t in points], marker="o", capsize=3,
                     linestyle="--" if fam.startswith("plain") else "-", label=fam)
     ax.set_xlabel("max staleness eta")
-    ax.set_ylabel("final held-out accuracy % (mean ± s.e. over seeds)")
+    ax.set_ylabel("held-out accuracy gain, points (mean ± s.e. over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -281,9 +281,9 @@ def study(args: argparse.Namespace) -> dict:
         acc = [e["accuracy"] for e in r["evals"]]
         print(f"[{i}/{len(todo)}] {row} seed {seed}: {100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}%  "
               f"{time.time() - t0:.0f}s", flush=True)
-        table = study_table(runs)
-        args.out.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
+        args.out.write_text(json.dumps({"meta": meta, "table": study_table(runs), "runs": runs}, indent=1))
     table = study_table(runs)
+    args.out.write_text(json.dumps({"meta": meta, "table": table, "runs": runs}, indent=1))
     print_table(table)
     plot_study(table, args.out.with_suffix(".png"))
     return table
