@@ -81,7 +81,8 @@ def to_sequences(groups: list[TrajectoryGroup], cfg: AlgoConfig) -> tuple[list[T
 
     Advantages (or, for token-level estimators, sequence scores) are computed
     on the shaped rewards of all kept groups at once, so batch-level
-    statistics cover the whole step batch.
+    statistics cover the whole step batch. Groups may differ in size (agent
+    episodes exported ``individual``); see :func:`advantages`.
     """
     kept, rows, n_uniform = [], [], 0
     for group in groups:
@@ -93,14 +94,8 @@ def to_sequences(groups: list[TrajectoryGroup], cfg: AlgoConfig) -> tuple[list[T
         rows.append(rewards)
     if not kept:
         return [], n_uniform
-    if len({len(r) for r in rows}) != 1:
-        sizes = sorted({len(r) for r in rows})
-        raise ValueError(f"group_size: every group of a step must have the same size, got {sizes}")
-    adv = group_advantages(torch.tensor(rows, dtype=torch.float64), cfg.adv_estimator, cfg.adv_eps,
-                           mean_level=cfg.adv_mean_level, std_level=cfg.adv_std_level,
-                           unbiased=cfg.adv_std_unbiased)
     seqs = []
-    for group, adv_row in zip(kept, adv.tolist()):
+    for group, adv_row in zip(kept, advantages(rows, cfg)):
         prompt = np.asarray(group.prompt_ids, dtype=np.int64)
         for sample, a in zip(group.samples, adv_row):
             if len(sample.response_ids) == 0:
@@ -111,6 +106,23 @@ def to_sequences(groups: list[TrajectoryGroup], cfg: AlgoConfig) -> tuple[list[T
                 versions=np.asarray(sample.versions), loss_mask=np.asarray(sample.loss_mask),
                 advantage=float(a), ticket=group.ticket))
     return seqs, n_uniform
+
+
+def advantages(rows: list[list[float]], cfg: AlgoConfig) -> list[list[float]]:
+    """Per-sample advantages (or scores) of groups of rewards, in float64.
+
+    Groups of one size go through the 2-D estimators; groups of different sizes (agent episodes exported
+    ``individual``: one sample per model call) through the ragged ones, whose group statistics are over
+    each group's own samples (see :mod:`hpcrl.algo.advantages`)."""
+    kw = dict(mean_level=cfg.adv_mean_level, std_level=cfg.adv_std_level, unbiased=cfg.adv_std_unbiased)
+    sizes = [len(r) for r in rows]
+    if len(set(sizes)) == 1:
+        return group_advantages(torch.tensor(rows, dtype=torch.float64), cfg.adv_estimator, cfg.adv_eps,
+                                **kw).tolist()
+    flat = group_advantages(torch.tensor([x for r in rows for x in r], dtype=torch.float64), cfg.adv_estimator,
+                            cfg.adv_eps, group_sizes=sizes, **kw).tolist()
+    ends = np.cumsum(sizes).tolist()
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def split_minibatches(seqs: list[TrainSequence], n: int) -> list[list[TrainSequence]]:
