@@ -1,4 +1,4 @@
-"""The agent proxy through the official ``openai`` client, and the concat export of a session.
+"""The agent proxy through the official ``openai`` client, and the concat and individual exports of a session.
 
 The proxy runs for real (FastAPI under uvicorn on a loopback port) in front
 of a scripted engine: each call outputs the next scripted text, token by
@@ -21,11 +21,15 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from hpcrl.agent.export import concat  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hpcrl.agent.export import concat, individual  # noqa: E402
 from hpcrl.agent.proxy import AgentProxy, parse_tool_calls  # noqa: E402
 from hpcrl.model.tiny import build_char_tokenizer  # noqa: E402
 from hpcrl.rollout.engine import Completion  # noqa: E402
+from hpcrl.rollout.worker import spool_samples  # noqa: E402
 from hpcrl.runtime.dist import free_port  # noqa: E402
+from hpcrl.spool.format import TrajectoryGroup  # noqa: E402
 
 EOS = 1
 
@@ -113,16 +117,16 @@ def test_unknown_keys_and_malformed_bodies_get_openai_errors(served) -> None:
     assert len(engine.asked) == asked  # none of these reached the engine
 
 
-def test_a_three_turn_tool_episode_exports_exact_tokens_and_masks(served) -> None:
-    """Turn 1 calls a tool, turn 2 answers wrongly and hears so, turn 3 answers: the concat export is the
-    first prompt, then each turn's output (trained) with the tool result and feedback between (masked)."""
-    proxy, engine, url = served
-    tok = proxy.tokenizer
-    key = proxy.open(("t", 2))
+TOOL_CALL = '<tool_call>{"name": "calc", "arguments": {"e": "2*21"}}</tool_call>'
+
+
+def three_turn_tool_episode(proxy, engine, url: str, name) -> list:
+    """Turn 1 calls a tool (at version 3), turn 2 answers wrongly and hears so, turn 3 answers (both at
+    version 4); the session's calls."""
+    key = proxy.open(("t", name))
     c = client(url, key)
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
-    call = '<tool_call>{"name": "calc", "arguments": {"e": "2*21"}}</tool_call>'
-    engine.script += [call, "41", "42"]
+    engine.script += [TOOL_CALL, "41", "42"]
     messages = [{"role": "user", "content": "2*21?"}]
     engine.version = 3
     r1 = c.chat.completions.create(model="x", messages=messages, tools=tools)
@@ -137,9 +141,17 @@ def test_a_three_turn_tool_episode_exports_exact_tokens_and_masks(served) -> Non
                  {"role": "user", "content": "wrong"}]
     r3 = c.chat.completions.create(model="x", messages=messages, tools=tools)
     assert r3.choices[0].message.content == "42"
-    calls = proxy.close(key).calls
+    return proxy.close(key).calls
+
+
+def test_a_three_turn_tool_episode_exports_exact_tokens_and_masks(served) -> None:
+    """The concat export is the first prompt, then each turn's output (trained) with the tool result and
+    feedback between (masked)."""
+    proxy, engine, url = served
+    tok = proxy.tokenizer
+    calls = three_turn_tool_episode(proxy, engine, url, 2)
     p1, p2, p3 = engine.asked[-3:]
-    out1 = [*tok.encode(call, add_special_tokens=False), EOS]
+    out1 = [*tok.encode(TOOL_CALL, add_special_tokens=False), EOS]
     assert p2[:len(p1) + len(out1)] == p1 + out1  # the model's own tokens, not a re-rendering of its tool call
     out2 = [*tok.encode("41", add_special_tokens=False), EOS]
     assert p3[:len(p2) + len(out2)] == p2 + out2
@@ -156,6 +168,63 @@ def test_a_three_turn_tool_episode_exports_exact_tokens_and_masks(served) -> Non
         [-0.5] * len(out3)
     assert e.versions[:len(out1)] == [3] * len(out1) and set(e.versions[len(out1):]) == {4}
     assert e.finish_reason == "stop"
+
+
+def test_a_three_turn_tool_episode_exported_individual_is_one_sample_per_call(served) -> None:
+    """``individual``: each call its own sample, exactly its prompt ids and output ids with their logprobs and
+    versions, the reward discounted by 0.5 per call before the last; published as one spool group whose
+    prompt is the calls' common prefix and whose samples start with the rest of their prompt, masked."""
+    proxy, engine, url = served
+    tok = proxy.tokenizer
+    calls = three_turn_tool_episode(proxy, engine, url, "individual")
+    prompts = engine.asked[-3:]
+    outs = [[*tok.encode(t, add_special_tokens=False), EOS] for t in (TOOL_CALL, "41", "42")]
+    ex = individual(calls, turn_discount=0.5)
+    assert ex.turns == 3 and ex.off_branch == 0 and ex.prompt_ids == prompts[0]
+    parts = ex.episode.parts
+    assert ex.episode.response_ids == [] and ex.episode.samples() is parts and len(parts) == 3
+    assert [p.prompt_ids for p in parts] == prompts and [p.response_ids for p in parts] == outs
+    assert [p.loss_mask for p in parts] == [[1] * len(o) for o in outs]
+    assert [p.logprobs for p in parts] == [[-0.5] * len(o) for o in outs]
+    assert [p.versions for p in parts] == [[3] * len(outs[0]), [4] * len(outs[1]), [4] * len(outs[2])]
+    assert [p.reward_scale for p in parts] == [0.25, 0.5, 1.0]
+    assert [p.finish_reason for p in parts] == ["stop"] * 3  # a tool call ends its turn as a stop
+    assert (ex.episode.head_version, ex.episode.newest_version) == (3, 4)  # staleness sees every call's tokens
+    assert [p.reward_scale for p in individual(calls).episode.parts] == [1.0, 1.0, 1.0]  # the default: 1
+
+    prompt, samples, owners = spool_samples(7, [99], [ex.episode], [0.8], version=5)
+    assert prompt == prompts[0] and owners == [0, 0, 0]
+    assert [s.reward for s in samples] == [0.8 * 0.25, 0.8 * 0.5, 0.8]
+    for s, part, p, out in zip(samples, parts, prompts, outs):
+        head = len(p) - len(prompt)
+        assert prompt + s.response_ids.tolist() == p + out  # the trained sequence is exactly the call's
+        assert s.loss_mask.tolist() == [0] * head + [1] * len(out)
+        assert s.behav_logprobs.tolist() == [0.0] * head + [-0.5] * len(out)
+        assert s.versions.tolist() == [part.versions[0]] * head + part.versions  # context: its call's version
+    group = TrajectoryGroup(ticket=7, writer="w", prompt_ids=np.asarray(prompt, np.int32), samples=samples)
+    assert group.version_range() == (3, 4)
+
+
+def test_individual_trains_every_call_that_concat_leaves_off_its_branch(served) -> None:
+    """A retried first question: concat trains the branch of the last call (one off-branch call),
+    individual every call, in the order they finished."""
+    proxy, engine, url = served
+    key = proxy.open(("t", "retry"))
+    c = client(url, key)
+    engine.script += ["7", "8", "9"]
+    first = [{"role": "user", "content": "3+5="}]
+    c.chat.completions.create(model="x", messages=first)  # "7": the agent throws it away and asks again
+    c.chat.completions.create(model="x", messages=first)  # "8"
+    c.chat.completions.create(model="x", messages=[*first, {"role": "assistant", "content": "8"},
+                                                   {"role": "user", "content": "sure?"}])  # "9"
+    calls = proxy.close(key).calls
+    assert (concat(calls).turns, concat(calls).off_branch) == (2, 1)
+    ex = individual(calls, turn_discount=0.9)
+    assert (ex.turns, ex.off_branch) == (3, 0)
+    assert [proxy.tokenizer.decode(p.response_ids, skip_special_tokens=True) for p in ex.episode.parts] == \
+        ["7", "8", "9"]
+    assert [p.reward_scale for p in ex.episode.parts] == [0.9 ** 2, 0.9, 1.0]
+    assert individual([]) is None
 
 
 def test_concurrent_sessions_are_kept_apart(served) -> None:

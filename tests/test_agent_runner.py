@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from hpcrl.admission.config import AdmissionConfig  # noqa: E402
+from hpcrl.algo.config import AlgoConfig  # noqa: E402
 from hpcrl.admission.ledger import AdmissionLedger  # noqa: E402
 from hpcrl.agent.config import AgentConfig  # noqa: E402
 from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # noqa: E402
@@ -35,6 +36,7 @@ from hpcrl.rollout.torch_engine import TorchEngine  # noqa: E402
 from hpcrl.rollout.worker import RolloutWorker  # noqa: E402
 from hpcrl.spool.format import read_group  # noqa: E402
 from hpcrl.spool.store import Spool  # noqa: E402
+from hpcrl.trainer.batch import to_sequences  # noqa: E402
 
 ROWS = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
 
@@ -50,6 +52,21 @@ async def feedback_agent(data: dict, *, base_url: str, api_key: str) -> float:
                 return 1.0 / (turn + 1)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "wrong"}]
         return 0.25  # answered twice, wrong twice: still the agent's own reward
+    finally:
+        await client.close()
+
+
+async def persistent_agent(data: dict, *, base_url: str, api_key: str) -> float:
+    """Answers 1 + index % 3 times, hearing "again" after each answer; 1 for a right last answer, else 0.25."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": data["prompt"]}]
+    try:
+        for turn in range(1 + data["index"] % 3):
+            if turn:
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "again"}]
+            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+            answer = r.choices[0].message.content or ""
+        return 1.0 if answer.strip() == data["answer"] else 0.25
     finally:
         await client.close()
 
@@ -72,7 +89,8 @@ async def unruly_agent(data: dict, *, base_url: str, api_key: str) -> float:
     return 1.0
 
 
-def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = ROWS) -> tuple[RolloutWorker, Spool]:
+def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = ROWS,
+                **agent) -> tuple[RolloutWorker, Spool]:
     model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
                                                                      num_kv_heads=2, head_dim=16,
                                                                      intermediate_size=64))
@@ -81,8 +99,8 @@ def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = R
                          pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
                          sampling=SamplingParams(max_new_tokens=4), seed=0)
     admission = AdmissionConfig(batch_size=len(rows), max_staleness=0)
-    runner = AgentEpisodes(engine, tokenizer, AgentConfig(fn="x:y", timeout_s=timeout_s, max_concurrent_episodes=8),
-                           fn, max_tokens=4)
+    runner = AgentEpisodes(engine, tokenizer, AgentConfig(fn="x:y", timeout_s=timeout_s, max_concurrent_episodes=8,
+                                                          **agent), fn, max_tokens=4)
     spool = Spool(tmp_path / "spool")
     worker = RolloutWorker(RolloutConfig(group_size=2, max_batch_size=8, max_new_tokens=4), admission,
                            engine=engine, tokenizer=tokenizer, rows=rows,
@@ -129,9 +147,53 @@ def test_multi_turn_agent_episodes_are_published_whole_with_the_feedback_masked(
     assert worker.episodes.stats["ok"] == 8 and worker.episodes.stats["off_branch_calls"] == 0
 
 
-def test_agents_that_raise_hang_never_ask_or_return_no_number_score_zero_and_the_run_goes_on(tmp_path) -> None:
+def test_individual_export_publishes_each_call_as_a_sample_with_its_discounted_reward(tmp_path) -> None:
+    """``agent.export=individual``, ``turn_discount=0.5``: a group holds one sample per model call (row i's
+    episodes make 1 + i % 3 calls each, so groups differ in size); each sample is that call's prompt (the
+    conversation so far) and its output, only the output trained; an episode's last call gets its reward,
+    each earlier one half of the next one's; the trainer's batch takes the groups of different sizes, each
+    normalised over its own samples."""
+    worker, spool = make_worker(tmp_path, persistent_agent, export="individual", turn_discount=0.5)
+    tok = worker.tokenizer
+    run_until(worker, 4)
+    groups = sorted((read_group(e.path) for e in spool.ready()), key=lambda g: g.meta["row"])
+    assert [g.meta["row"] for g in groups] == [0, 1, 2, 3]
+    assert [len(g.samples) for g in groups] == [2, 4, 6, 2]  # group_size 2 episodes x their calls
+    for g in groups:
+        turns = 1 + g.meta["row"] % 3
+        assert g.meta["sample_episodes"] == [0] * turns + [1] * turns and g.meta["reward_status"] == ["ok", "ok"]
+        prompt = tok.decode(g.prompt_ids.tolist(), skip_special_tokens=False)
+        assert prompt == f"user: {g.meta['prompt']}<eos>\nassistant: ", prompt
+        for samples in (g.samples[:turns], g.samples[turns:]):
+            last = samples[-1].reward
+            assert last in (1.0, 0.25)
+            assert [s.reward for s in samples] == [last * 0.5 ** (turns - 1 - k) for k in range(turns)]
+            for k, s in enumerate(samples):
+                mask = s.loss_mask.astype(bool)
+                head = int(np.argmax(mask))  # the call's own prompt beyond the group's, then its output
+                assert mask[head:].all() and not mask[:head].any() and (head == 0) == (k == 0)
+                assert np.all(s.behav_logprobs[mask] < 0) and np.all(s.behav_logprobs[~mask] == 0)
+                assert np.all(s.versions == 0)  # no weight update in this run
+                if k:  # the conversation so far, then the feedback (the exact tokens: test_agent_proxy.py;
+                    # a reply whose text loses a token, <unk> say, is re-rendered, not continued)
+                    context = tok.decode(s.response_ids[:head].tolist(), skip_special_tokens=True)
+                    before = tok.decode(samples[k - 1].response_ids.tolist(), skip_special_tokens=True)
+                    assert context.startswith(before) and context.endswith("\nuser: again\nassistant: "), context
+    assert worker.episodes.stats["ok"] == 8 and worker.episodes.stats["turns"] == 14
+    seqs, n_uniform = to_sequences(groups, AlgoConfig())  # the trainer's batch: groups of 2, 4, 6, 2 samples
+    kept = [g for g in groups if len({s.reward for s in g.samples}) > 1]
+    assert n_uniform == 4 - len(kept) and len(seqs) == sum(len(g.samples) for g in kept) and len(kept) >= 2
+    for g in kept:  # GRPO over each group's own samples
+        r = np.array([s.reward for s in g.samples], np.float64)
+        want = (r - r.mean()) / (r.std() + 1e-6)
+        assert [q.advantage for q in seqs if q.ticket == g.ticket] == pytest.approx(want.tolist(), abs=1e-9)
+
+
+@pytest.mark.parametrize("export", ["concat", "individual"])
+def test_agents_that_raise_hang_never_ask_or_return_no_number_score_zero_and_the_run_goes_on(tmp_path,
+                                                                                           export) -> None:
     rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(6)]
-    worker, spool = make_worker(tmp_path, unruly_agent, timeout_s=1.0, rows=rows)
+    worker, spool = make_worker(tmp_path, unruly_agent, timeout_s=1.0, rows=rows, export=export)
     run_until(worker, 6)
     by_row = {g.meta["row"]: g for g in (read_group(e.path) for e in spool.ready())}
     assert by_row[0].meta["reward_status"] == ["error", "error"]

@@ -58,6 +58,26 @@ def test_prox_approx_needs_decoupled_ppo() -> None:
         load_config(QUICK, ["algo.prox_approx=true", "algo.decoupled=false"])
 
 
+def test_agent_export_and_turn_discount() -> None:
+    cfg = load_config(QUICK, ["agent.fn=examples.agents.feedback_arithmetic:run_agent_return_reward",
+                              "agent.export=individual", "agent.turn_discount=0.9"])
+    assert (cfg.agent.export, cfg.agent.turn_discount) == ("individual", 0.9)
+    assert (load_config(QUICK).agent.export, load_config(QUICK).agent.turn_discount) == ("concat", 1.0)
+    fn = "agent.fn=m:f"
+    for override, message in [
+        ("agent.export=separate", r"^agent\.export: .*'concat', 'individual'"),
+        ("agent.turn_discount=1.5", r"^agent\.turn_discount: must be in \[0, 1\], got 1\.5"),
+        ("agent.turn_discount=-0.1", r"^agent\.turn_discount: must be in \[0, 1\]"),
+        ("agent.turn_discount=nan", r"^agent\.turn_discount: must be in \[0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(QUICK, [fn, "agent.export=individual", override])
+    with pytest.raises(ConfigError, match=r"^agent\.turn_discount: discounts the turns of export=individual only"):
+        load_config(QUICK, [fn, "agent.turn_discount=0.9"])  # a concat episode is one sample: nothing to discount
+    with pytest.raises(ConfigError, match=r"^agent\.export: 'individual' exports agent episodes; set agent\.fn"):
+        load_config(QUICK, ["agent.export=individual"])
+
+
 def test_float16_is_refused_for_the_fsdp_trainer_and_bfloat16_accepted() -> None:
     assert load_config(QUICK, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
     with pytest.raises(ConfigError, match=r"^model\.dtype: float16 training needs loss scaling"):

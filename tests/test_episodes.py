@@ -87,6 +87,25 @@ class TwoTurn:
         pass
 
 
+class TwoCalls(TwoTurn):
+    """TwoTurn's episodes exported one sample per request (as an agent's ``individual`` export): each part is
+    its request's prompt and output, the first with half the episode's reward (the total output length)."""
+
+    def collect(self, c: Completion) -> None:
+        if c.id[2] == 0:
+            return super().collect(c)
+        key = (c.id[0], c.id[1])
+        parts = [Episode(response_ids=list(x.output_ids), logprobs=list(x.logprobs), versions=list(x.versions),
+                         loss_mask=[1] * len(x.output_ids), text="", finish_reason=x.finish_reason,
+                         prompt_ids=list(x.prompt_ids), reward_scale=scale)
+                 for x, scale in ((self.first.pop(key), 0.5), (c, 1.0))]
+        self.done.append((key, Episode(response_ids=[], logprobs=[], versions=[], loss_mask=[], text="",
+                                       finish_reason=c.finish_reason, parts=parts)))
+
+    def score(self, row, episodes):
+        return [RewardResult(reward=float(sum(len(p.response_ids) for p in e.parts)), status="ok") for e in episodes]
+
+
 class Versions:
     """A weight source whose newest version the test sets; every version is the same tensors."""
 
@@ -158,6 +177,29 @@ def test_a_multi_turn_runner_publishes_whole_episodes_with_context_masked(tmp_pa
     assert worker.stats.tokens_generated == sum(int(s.loss_mask.sum()) for g in groups for s in g.samples)
 
 
+def test_a_runner_exporting_each_request_publishes_one_sample_per_request(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path, TwoCalls)
+    run_to_idle(worker)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert sorted(g.ticket for g in groups) == [0, 1]
+    feedback = worker.episodes.feedback
+    for g in groups:
+        assert len(g.samples) == 6 and g.meta["sample_episodes"] == [0, 0, 1, 1, 2, 2]
+        for first, second in zip(g.samples[0::2], g.samples[1::2]):
+            n1 = len(first.response_ids)
+            assert 1 <= n1 <= 4 and first.loss_mask.all() and np.all(first.behav_logprobs < 0)
+            # the second request's prompt: the first's prompt and output, then the feedback, all masked
+            assert second.response_ids[:n1].tolist() == first.response_ids.tolist()
+            assert second.response_ids[n1:n1 + len(feedback)].tolist() == feedback
+            assert second.loss_mask.tolist() == [0] * (n1 + len(feedback)) + [1] * (len(second.response_ids) - n1
+                                                                                      - len(feedback))
+            assert np.all(second.behav_logprobs[:n1 + len(feedback)] == 0)
+            total = n1 + int(second.loss_mask.sum())
+            assert (first.reward, second.reward) == (0.5 * total, float(total))
+    assert worker.stats.samples_generated == 6  # episodes
+    assert worker.stats.tokens_generated == sum(int(s.loss_mask.sum()) for g in groups for s in g.samples)
+
+
 def test_the_default_runner_is_one_trained_completion_per_sample(tmp_path) -> None:
     worker, spool = make_worker(tmp_path)
     assert isinstance(worker.episodes, SingleTurn)
@@ -197,4 +239,29 @@ def test_an_episode_with_a_turn_of_rolled_back_weights_starts_again(tmp_path) ->
         if key in published:  # its group was published after the rollback, so the episode was regenerated
             assert published[key].versions.max() <= 1, f"episode {key} mixes lost version-2 tokens in"
     assert any(key in published for key in between_turns)
+    assert worker.stats.samples_restarted >= len(between_turns)
+
+
+def test_an_episode_exported_per_request_with_a_call_of_rolled_back_weights_starts_again(tmp_path) -> None:
+    """As above with one sample per request: the lost version-2 tokens are in the episode's first part only,
+    and they still make the whole episode run again."""
+    source = {}
+    worker, spool = make_worker(tmp_path, TwoCalls, weights=lambda m: source.setdefault("v", Versions(m, 2)))
+    runner = worker.episodes
+    for _ in range(200):
+        worker.pump()
+        if runner.first:
+            break
+    assert worker.engine.version == 2 and runner.first, "no episode reached its second request"
+    between_turns = set(runner.first)
+    source["v"].latest = 1
+    run_to_idle(worker)
+    groups = [read_group(e.path) for e in spool.ready()]
+    published: dict = {}
+    for g in groups:
+        for sample, episode in zip(g.samples, g.meta["sample_episodes"]):
+            published.setdefault((g.ticket, episode), []).append(sample)
+    for key in between_turns & set(published):
+        assert all(s.versions.max() <= 1 for s in published[key]), f"episode {key} mixes lost version-2 tokens in"
+    assert between_turns & set(published)
     assert worker.stats.samples_restarted >= len(between_turns)

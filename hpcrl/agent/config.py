@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+Export = Literal["concat", "individual"]
+EXPORTS: tuple[str, ...] = get_args(Export)
 
 
 @dataclass
@@ -14,6 +19,11 @@ class AgentConfig:
     max_concurrent_episodes: int = 64  # episodes one rollout job runs at once (admission keeps this many busy)
     host: str = "127.0.0.1"  # where the proxy listens (loopback: only this job's agents reach it)
     port: int = 0  # the proxy's port (0 = a free one)
+    # how an episode's model calls become training samples: concat = one sequence of the conversation (what the
+    # model did not write loss-masked); individual = each call its own sample (its prompt, its output)
+    export: Export = "concat"
+    # individual: call k of K gets the episode's reward times turn_discount ** (K - 1 - k) (the last one all of it)
+    turn_discount: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fn and ":" not in self.fn:
@@ -24,6 +34,16 @@ class AgentConfig:
             raise ValueError(f"max_concurrent_episodes: must be >= 1, got {self.max_concurrent_episodes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.export not in EXPORTS:
+            raise ValueError(f"export: must be one of {list(EXPORTS)}, got {self.export!r}")
+        if not (math.isfinite(self.turn_discount) and 0.0 <= self.turn_discount <= 1.0):
+            raise ValueError(f"turn_discount: must be in [0, 1], got {self.turn_discount}")
+        if self.export == "individual" and not self.fn:
+            raise ValueError("export: 'individual' exports agent episodes; set agent.fn (without an agent every "
+                             "sample is one completion)")
+        if self.turn_discount != 1.0 and self.export != "individual":
+            raise ValueError(f"turn_discount: discounts the turns of export=individual only, got "
+                             f"{self.turn_discount} with export={self.export!r} (a concat episode is one sample)")
         if self.host not in ("127.0.0.1", "localhost", "::1"):  # the sessions' keys are the only guard
             raise ValueError(f"host: the proxy binds loopback only (127.0.0.1, localhost, ::1), got {self.host!r}; "
                              "agent programs run inside the rollout job")

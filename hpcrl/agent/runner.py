@@ -17,9 +17,11 @@ Lifecycle:
 3. When the function returns (its number is the reward; anything else, NaN
    and inf included, is "invalid" and 0), raises, or runs past
    ``agent.timeout_s`` (reward 0 then), the session is closed and its calls
-   exported (:func:`hpcrl.agent.export.concat`); ``finished()`` hands the
-   episode to the loop with its own prompt. An episode that made no call is
-   an empty sample with reward 0. Outcomes are counted in ``stats``.
+   exported as ``agent.export`` says (:mod:`hpcrl.agent.export`: one
+   sequence, or with ``individual`` one part per call, each with its prompt
+   and its share of the reward); ``finished()`` hands the episode to the
+   loop with its own prompt. An episode that made no call is an empty
+   sample with reward 0. Outcomes are counted in ``stats``.
 4. A restarted key (stale, or tokens of rolled-back weights) starts a new
    run of the function; a result of the earlier run is dropped.
 5. ``close()`` cancels running episodes and stops the proxy and the loop.
@@ -38,8 +40,8 @@ from collections import Counter
 from typing import Any, Awaitable, Callable
 
 from hpcrl.agent.config import AgentConfig
-from hpcrl.agent.export import concat
-from hpcrl.agent.proxy import AgentProxy, ProxyError
+from hpcrl.agent.export import Exported, concat, individual
+from hpcrl.agent.proxy import AgentProxy, Call, ProxyError
 from hpcrl.data.rows import Row
 from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
@@ -209,17 +211,24 @@ class AgentEpisodes:
                 log.warning("agent episode %s raised %s: %s", key, type(e).__name__, e)
             finally:
                 session = self.proxy.close(api_key)
-        exported = concat(session.calls)
+        exported, conversation = self._export(session.calls)
         if exported is None:
             status = "no_call" if status == "ok" else status
             reward, prompt = 0.0, None
             episode = Episode(response_ids=[], logprobs=[], versions=[], loss_mask=[], text="", finish_reason="stop")
         else:
             episode, prompt = exported.episode, exported.prompt_ids
-            episode.text = self.proxy.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
+            episode.text = self.proxy.tokenizer.decode(conversation, skip_special_tokens=True)
             self.stats["off_branch_calls"] += exported.off_branch
             self.stats["turns"] += exported.turns
         episode.prompt_ids = prompt
         self.stats[status] += 1
         self._done.put((key, run, episode, RewardResult(reward=reward if status == "ok" else 0.0, status=status)))
         self._news.set()
+
+    def _export(self, calls: list[Call]) -> tuple[Exported | None, list[int]]:
+        """The session as training data (``agent.export``), and the token ids of its text for the spool's meta:
+        the conversation after the first prompt as ``concat`` makes it, whichever the export."""
+        branch = concat(calls)
+        exported = individual(calls, self.cfg.turn_discount) if self.cfg.export == "individual" else branch
+        return exported, branch.episode.response_ids if branch is not None else []

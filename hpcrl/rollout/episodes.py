@@ -7,8 +7,9 @@ business. Today's implementation, :class:`SingleTurn`, makes one sample
 out of one completion of the prompt and scores the group with the reward
 function; an agent runner makes one sample out of a multi-turn episode
 (several engine requests, tool results between them) that ends with its own
-reward. Both hand the loop the same :class:`Episode` records, and the loop
-turns a group of them into one spool group.
+reward, or one sample per request (the episode's ``parts``, each with its
+share of the reward). Both hand the loop the same :class:`Episode` records,
+and the loop turns a group of them into one spool group.
 
 Lifecycle of one episode, keyed ``(ticket index, sample index)``:
 
@@ -65,21 +66,34 @@ class Episode:
     # the episode's own prompt, when it is not the group's encoded row prompt (an agent writes its own system
     # and user turns); the loop publishes the group's common prefix as the prompt, the rest loss-masked
     prompt_ids: list[int] | None = None
+    # an episode trained as several samples (an agent's calls exported ``individual``): each part has its own
+    # prompt_ids and tokens, and the episode's own token lists are empty; None: the episode is one sample
+    parts: list[Episode] | None = None
+    reward_scale: float = 1.0  # a part's reward is its episode's reward times this (turn discounting)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if not len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n:
             raise ValueError(f"episode: {n} tokens but {len(self.logprobs)} logprobs, {len(self.versions)} "
                              f"versions, {len(self.loss_mask)} mask entries")
+        if self.parts is not None and (n or not self.parts or any(p.parts is not None for p in self.parts)):
+            raise ValueError("episode: with parts, the episode holds no tokens of its own and each part is "
+                             "one sample")
+
+    def samples(self) -> list[Episode]:
+        """What the episode is trained as: its parts, or itself."""
+        return self.parts if self.parts is not None else [self]
 
     @property
     def head_version(self) -> int | None:
         """The oldest policy version among its tokens, as the spool file's name will carry it (None: no token)."""
-        return min(self.versions) if self.versions else None
+        versions = [min(s.versions) for s in self.samples() if s.versions]
+        return min(versions) if versions else None
 
     @property
     def newest_version(self) -> int | None:
-        return max(self.versions) if self.versions else None
+        versions = [max(s.versions) for s in self.samples() if s.versions]
+        return max(versions) if versions else None
 
 
 @runtime_checkable

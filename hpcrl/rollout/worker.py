@@ -7,8 +7,10 @@ worker generates with) -> ``group_size`` episodes start
 one episode is one request of the prompt), their requests enter the engine,
 whose continuous batching keeps every slot busy -> when all episodes are
 done they are scored (the reward function, or the episodes' own rewards)
--> the group is published atomically to the
-spool as one HDF5 file, by a writer thread while generation goes on
+-> the group is published atomically to the spool as one HDF5 file, one
+sample per episode (an agent episode exported ``individual`` is one sample
+per model call, so the group may hold more than ``group_size``), by a
+writer thread while generation goes on
 (:mod:`hpcrl.rollout.publisher`; :meth:`RolloutWorker.flush` waits for it,
 :meth:`RolloutWorker.close` stops it).
 
@@ -217,7 +219,7 @@ class RolloutWorker:
             return
         group.done[i] = episode
         self.stats.samples_generated += 1
-        self.stats.tokens_generated += sum(episode.loss_mask)
+        self.stats.tokens_generated += sum(sum(s.loss_mask) for s in episode.samples())
         if all(d is not None for d in group.done):
             self._publish(self.groups.pop(index))
 
@@ -226,42 +228,58 @@ class RolloutWorker:
         row = group.row
         t0 = time.perf_counter()
         results = self.episodes.score(row, group.done)
-        prompt_ids, heads = self._prompt(group)
-        samples = [Sample(response_ids=np.asarray([*head, *e.response_ids], np.int32),
-                          behav_logprobs=np.asarray([*[0.0] * len(head), *e.logprobs], np.float32),
-                          versions=np.asarray([*[e.versions[0] if e.versions else self.engine.version] * len(head),
-                                               *e.versions], np.int32),
-                          loss_mask=np.asarray([*[0] * len(head), *e.loss_mask], np.uint8),
-                          reward=float(r.reward), finish_reason=e.finish_reason)
-                   for e, head, r in zip(group.done, heads, results)]
+        prompt_ids, samples, owners = spool_samples(group.ticket.index, group.prompt_ids, group.done,
+                                                    [r.reward for r in results], self.engine.version)
         self.stats.reward_s += time.perf_counter() - t0
         meta = {"version": self.engine.version, "prompt": row.prompt, "answer": row.answer, "row": group.ticket.row,
                 "epoch": group.ticket.epoch, "responses": texts, "reward_status": [r.status for r in results]}
+        if any(e.parts is not None for e in group.done):  # which episode each sample is a part of
+            meta["sample_episodes"] = owners
         t0 = time.perf_counter()
         self.publisher.submit(TrajectoryGroup(ticket=group.ticket.index, writer=self.writer,
                                               prompt_ids=np.asarray(prompt_ids, np.int32),
                                               samples=samples, meta=meta))
         self.stats.spool_s += time.perf_counter() - t0
 
-    @staticmethod
-    def _prompt(group: _Group) -> tuple[list[int], list[list[int]]]:
-        """The group's prompt and, per episode, the start of its own prompt beyond it (loss-masked context).
-
-        Episodes with a prompt of their own (agents) share the longest common prefix of those prompts;
-        an episode without tokens adds nothing to the sample and is left out of the comparison."""
-        own = [e.prompt_ids for e in group.done if e.prompt_ids is not None and e.response_ids]
-        if not own:
-            return list(group.prompt_ids), [[] for _ in group.done]
-        n = min(len(p) for p in own)
-        for p in own[1:]:
-            n = next((i for i in range(n) if p[i] != own[0][i]), n)
-        if n == 0:
-            raise ValueError(f"ticket {group.ticket.index}: the episodes' own prompts share no first token, so "
-                             "they cannot be one prompt group (give every episode of a row the same opening)")
-        prompt = list(own[0][:n])
-        return prompt, [list(e.prompt_ids[n:]) if e.prompt_ids is not None and e.response_ids else []
-                        for e in group.done]
-
     def _published(self, group: TrajectoryGroup, seconds: float) -> None:  # on the writer thread
         self.stats.spool_write_s += seconds
         self.stats.groups_published += 1
+
+
+def spool_samples(ticket: int, prompt_ids: list[int], episodes: list[Episode], rewards: list[float],
+                  version: int) -> tuple[list[int], list[Sample], list[int]]:
+    """A finished group's spool prompt, its samples, and the index of the episode each sample comes from.
+
+    An episode is one sample, or one per part (an agent's calls exported ``individual``), each part with its
+    share of the episode's reward (``reward_scale``). Samples with a prompt of their own share the group's
+    prompt, the longest common prefix of those prompts; the rest of each one's prompt starts its response,
+    loss-masked, at the version of its first token (``version``, the weights in hand, if it has none)."""
+    parts = [(i, s, float(reward) * s.reward_scale) for i, (e, reward) in enumerate(zip(episodes, rewards))
+             for s in e.samples()]
+    prompt, heads = _common_prompt(ticket, prompt_ids, [s for _, s, _ in parts])
+    samples = [Sample(response_ids=np.asarray([*head, *s.response_ids], np.int32),
+                      behav_logprobs=np.asarray([*[0.0] * len(head), *s.logprobs], np.float32),
+                      versions=np.asarray([*[s.versions[0] if s.versions else version] * len(head), *s.versions],
+                                          np.int32),
+                      loss_mask=np.asarray([*[0] * len(head), *s.loss_mask], np.uint8),
+                      reward=reward, finish_reason=s.finish_reason)
+               for (_, s, reward), head in zip(parts, heads)]
+    return prompt, samples, [i for i, _, _ in parts]
+
+
+def _common_prompt(ticket: int, prompt_ids: list[int], samples: list[Episode]) -> tuple[list[int], list[list[int]]]:
+    """The group's prompt and, per sample, the start of its own prompt beyond it (loss-masked context).
+
+    Samples with a prompt of their own (agents) share the longest common prefix of those prompts; a sample
+    without tokens adds nothing and is left out of the comparison."""
+    own = [e.prompt_ids for e in samples if e.prompt_ids is not None and e.response_ids]
+    if not own:
+        return list(prompt_ids), [[] for _ in samples]
+    n = min(len(p) for p in own)
+    for p in own[1:]:
+        n = next((i for i in range(n) if p[i] != own[0][i]), n)
+    if n == 0:
+        raise ValueError(f"ticket {ticket}: the episodes' own prompts share no first token, so they cannot be "
+                         "one prompt group (give every episode of a row the same opening)")
+    return list(own[0][:n]), [list(e.prompt_ids[n:]) if e.prompt_ids is not None and e.response_ids else []
+                              for e in samples]
