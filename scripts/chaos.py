@@ -162,8 +162,22 @@ class Monitor(threading.Thread):
                     states = {p: _state(p) for p in pids}
                     pids = [p for p in pids if states[p] not in ("Z", "gone")]
                     if len(pids) > 1 and len(self.crowded) < 20:
-                        self.crowded.append({"time": time.time(), "role": role, "states": states})
+                        self.crowded.append({"time": round(time.time(), 3), "role": role,
+                                             "processes": {p: _who(p, states[p]) for p in pids}})
                 self.peak[role] = max(self.peak[role], len(pids))
+
+
+def _who(pid: int, state: str) -> dict:
+    """What tells two processes of one role apart: state, parent, the owner epoch and instance they were started
+    with, and the Slurm job they run in."""
+    try:
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return {"state": state}
+    return {"state": state, "ppid": ppid,
+            **{k.lower(): env[k.encode()].decode() for k in ("HPCRL_EPOCH", "HPCRL_INSTANCE", "SLURM_JOB_ID")
+               if k.encode() in env}}
 
 
 def _state(pid: int) -> str:
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "unfinished": rep.unfinished, "max_token_staleness": rep.max_token_staleness,
                    "quarantined": len(list((run_dir / "spool" / "quarantine").rglob("*.h5"))),
                    "restarts": sum(1 for e in events_log if e.get("action") == "restart"),
-                   "peak_live": dict(monitor.peak), **{k: v for k, v in own.items() if k != "violations"},
+                   "peak_live": dict(monitor.peak), "crowded": monitor.crowded, **{k: v for k, v in own.items() if k != "violations"},
                    "violations": (rep.violations + own["violations"])[:20], "run_dir": str(run_dir)})
     report["injected"] = len(report["injected"])
     print(json.dumps(report, indent=1))

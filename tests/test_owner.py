@@ -217,3 +217,38 @@ def test_a_recorded_process_is_known_by_its_start_time_not_its_command_line(tmp_
         proc.kill()
         proc.wait()
     assert start_ticks(proc.pid) is None and not job_alive(tmp_path, {**rec, "start_ticks": started})
+
+
+def test_a_takeover_stops_processes_of_earlier_owners_the_registry_does_not_name(tmp_path) -> None:
+    """An owner killed between starting a component and recording it leaves a process nobody recorded: the
+    next owner finds it by its owner epoch and run directory and stops it; its own epoch's processes, other
+    runs' and a recorded process's children are left alone."""
+    from hpcrl.config import load_config
+    from hpcrl.launch.takeover import take_over, unrecorded
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    (run / "jobs").mkdir(parents=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)", "--run-dir"]
+
+    def start(run_dir: Path, epoch: int) -> subprocess.Popen:
+        return subprocess.Popen([*sleep, str(run_dir)], env={**os.environ, "HPCRL_EPOCH": str(epoch)},
+                                start_new_session=True)
+
+    orphan, recorded, current, foreign = start(run, 1), start(run, 1), start(run, 2), start(other, 1)
+    (run / "jobs" / "registry.json").write_text(json.dumps(
+        {"trainer": {"job_id": recorded.pid, "scheduler": "local", "epoch": 1}}))
+    procs = [orphan, recorded, current, foreign]
+    try:
+        deadline = time.monotonic() + 30  # the kernel fills in a command line a moment after exec
+        while not all(Path(f"/proc/{p.pid}/cmdline").read_bytes() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = unrecorded(run, 2, json.loads((run / "jobs" / "registry.json").read_text()))
+        assert [rec["job_id"] for rec in found.values()] == [orphan.pid], found
+        cfg = load_config(ROOT / "configs/quickstart.yaml", ["launch.takeover_timeout_s=1"])
+        assert take_over(cfg, run, epoch=2)
+        assert orphan.wait(timeout=30) == -9 and recorded.wait(timeout=30) == -9
+        assert current.poll() is None and foreign.poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

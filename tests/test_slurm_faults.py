@@ -125,19 +125,25 @@ def test_chaos_on_slurm(tmp_path) -> None:
                                 "launch.scheduler=slurm"])
     assert report["exit_code"] == 0 and report["violations"] == []
     assert sum(report["kills"].values()) >= 7 and report["kills"]["supervisor"] == 1 and report["restarts"] >= 4
-    assert report["peak_live"]["trainer"] == 1 and max(report["peak_live"].values()) == 1  # one owner at a time
+    assert report["peak_live"]["trainer"] == 1 and max(report["peak_live"].values()) == 1, report["crowded"]  # one owner
     assert report["steps"] == 300 and report["unfinished"] == 0 and report["quarantined"] == 0
 
 
 def test_takeover_scancels_a_slurm_job_that_ignores_the_fence(tmp_path) -> None:
     """A previous owner's job that never checks the fence (here: a bare ``sleep``) is waited for
-    ``launch.takeover_timeout_s``, then cancelled with ``scancel``; the new owner starts only after that."""
+    ``launch.takeover_timeout_s``, then cancelled with ``scancel``; the new owner starts only after that.
+    So is a job the previous owner started but did not record (killed in between): its comment names the run."""
     from hpcrl.config import load_config
     from hpcrl.launch.takeover import take_over
 
-    job = subprocess.run(["sbatch", "--parsable", "-J", "hpcrl-takeover-test", "-o", "/dev/null", "--wrap",
-                          f"sleep 300 # {tmp_path}"], capture_output=True, text=True, timeout=60, check=True)
-    job_id = job.stdout.strip().split(";")[0]
+    def sbatch(*extra: str) -> str:
+        job = subprocess.run(["sbatch", "--parsable", "-J", "hpcrl-takeover-test", "-o", "/dev/null", *extra,
+                              "--wrap", f"sleep 300 # {tmp_path}"], capture_output=True, text=True, timeout=60,
+                             check=True)
+        return job.stdout.strip().split(";")[0]
+
+    job_id = sbatch()
+    unrecorded = sbatch(f"--comment=hpcrl,run={tmp_path.resolve()},component=trainer,epoch=1,instance=e1n2,start=1")
     try:
         (tmp_path / "jobs").mkdir()
         (tmp_path / "jobs" / "registry.json").write_text(json.dumps(
@@ -147,12 +153,13 @@ def test_takeover_scancels_a_slurm_job_that_ignores_the_fence(tmp_path) -> None:
         assert take_over(cfg, tmp_path, epoch=2)
         assert time.time() - t0 >= 3  # it waited for the job to stop by itself first
         deadline = time.time() + 60
-        while sacct(job_id).get(job_id, ("", "PENDING", ""))[1] in ("PENDING", "RUNNING", "COMPLETING"):
-            assert time.time() < deadline, sacct(job_id)
-            time.sleep(0.5)
-        assert sacct(job_id)[job_id][1] == "CANCELLED"
+        for job in (job_id, unrecorded):
+            while sacct(job).get(job, ("", "PENDING", ""))[1] in ("PENDING", "RUNNING", "COMPLETING"):
+                assert time.time() < deadline, sacct(job)
+                time.sleep(0.5)
+            assert sacct(job)[job][1] == "CANCELLED"
     finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
+        subprocess.run(["scancel", job_id, unrecorded], capture_output=True)
 
 
 def events_of(run: Path) -> list[dict]:

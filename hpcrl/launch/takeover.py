@@ -6,7 +6,11 @@ no moment do two trainers, or two writers for one rollout replica, act for
 the run. Order:
 
 1. Read ``jobs/registry.json``, the previous owner's record of every job it
-   started (job id, scheduler, host, epoch, instance).
+   started (job id, scheduler, host, epoch, instance). An owner killed
+   between starting a component and recording it leaves a job the registry
+   does not name: those are found too (:func:`unrecorded`), as Slurm jobs
+   whose comment names this run and an earlier epoch, and as processes on
+   this host started for this run by an earlier epoch.
 2. Each of those processes and jobs sees the new epoch at its next fence
    check and exits by itself without writing; the supervisor waits up to
    ``launch.takeover_timeout_s`` for that, then kills what is left: a local
@@ -55,6 +59,9 @@ def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
         log.info("taking over from owner epoch %s (supervisor pid %s on %s): %d jobs to check", prev_epoch or "?",
                  rec.get("pid", "?"), rec.get("host", "?"), len(previous))
     live = {name: rec for name, rec in previous.items() if rec.get("epoch", 0) < epoch and job_alive(run_dir, rec)}
+    for name, rec in unrecorded(run_dir, epoch, previous).items():
+        log.warning("%s: started by owner epoch %s but not in its registry", name, rec["epoch"])
+        live[name] = rec
     unreachable = [n for n, rec in live.items() if rec.get("reach") == "remote"]
     for name in unreachable:
         rec = live.pop(name)
@@ -104,6 +111,54 @@ def registry(run_dir: Path) -> dict[str, dict]:
         return json.loads((run_dir / "jobs" / "registry.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+def unrecorded(run_dir: Path, epoch: int, known: dict[str, dict]) -> dict[str, dict]:
+    """Live jobs of owners before ``epoch`` that ``known`` (the registry) does not name, as registry records
+    (``reach`` marked): Slurm jobs of the user whose comment names this run (the supervisor's comment:
+    ``hpcrl,run=...,component=...,epoch=N,...``), and processes on this host whose environment holds an
+    earlier owner epoch and whose command line names this run. A process is not counted apart from the job
+    it belongs to: a recorded process's children (its process group), the tasks of a Slurm job or ``srun``
+    allocation that is recorded or found here."""
+    known_ids = {str(rec.get(key)) for rec in known.values() for key in ("job_id", "allocation") if rec.get(key)}
+    found: dict[str, dict] = {}
+    for job_id, comment in _slurm_comments().items():
+        fields = dict(kv.split("=", 1) for kv in comment.split(",") if "=" in kv)
+        if (comment.startswith("hpcrl,") and fields.get("run") == "".join(str(run_dir.resolve()).split())
+                and fields.get("epoch", "").isdigit() and int(fields["epoch"]) < epoch and job_id not in known_ids):
+            found[f"{fields.get('component', '?')} (job {job_id})"] = {
+                "job_id": job_id, "scheduler": "slurm", "epoch": int(fields["epoch"]), "reach": "slurm"}
+    known_ids |= {rec["job_id"] for rec in found.values()}
+    names = {str(run_dir), str(run_dir.resolve())}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone, or another user's
+            continue
+        values = dict(kv.split(b"=", 1) for kv in env if kv.startswith((b"HPCRL_EPOCH=", b"SLURM_JOB_ID=")))
+        owner, job = values.get(b"HPCRL_EPOCH", b"").decode(), values.get(b"SLURM_JOB_ID", b"").decode()
+        if (not owner.isdigit() or int(owner) >= epoch or fields[0] == "Z" or not names & set(args)
+                or known_ids & {pid, fields[2], job}):
+            continue
+        found[f"{' '.join(args[1:3])} (pid {pid})"] = {
+            "job_id": int(pid), "scheduler": "local", "epoch": int(owner), "host": socket.gethostname(),
+            "start_ticks": int(fields[19]), "reach": "local"}
+    return found
+
+
+def _slurm_comments() -> dict[str, str]:
+    """Job id -> comment of the user's jobs that Slurm still lists ({} where there is no Slurm)."""
+    if not shutil.which("squeue"):
+        return {}
+    try:
+        proc = subprocess.run(["squeue", "-h", "-u", str(os.getuid()), "-o", "%i|%k"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("cannot list Slurm jobs to find unrecorded ones: %s", e)
+        return {}
+    return dict(ln.split("|", 1) for ln in proc.stdout.splitlines() if "|" in ln)
 
 
 def job_alive(run_dir: Path, rec: dict) -> bool:
