@@ -14,7 +14,9 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
   across weight updates (``rollout.kv_on_update=keep``, no rebuild prefill);
 * ``vllm_eta0``, ``vllm_eta2``, ``vllm_eta2_collective``: the rollout drives
   a vLLM server (``rollout.engine=vllm``; needs vllm installed), disk weights
-  or the collective broadcast staged for the server; ``rollout_update_share``
+  or the collective broadcast staged for the server; ``vllm_eta2_single``
+  sends each sample its own request (``rollout.coalesce=false``) instead of
+  one request for a prompt group's samples; ``rollout_update_share``
   is the share of the rollout's wall time spent in weight updates (abort,
   pause, reload, resume).
 
@@ -57,6 +59,9 @@ MODES = {
     "vllm_eta0": ["rollout.engine=vllm", "admission.max_staleness=0", "weights.mode=disk"],
     "vllm_eta2": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=disk"],
     "vllm_eta2_collective": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=collective"],
+    # each sample its own request, as before prompt groups shared their first request (n = group size)
+    "vllm_eta2_single": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=disk",
+                         "rollout.coalesce=false"],
 }
 # where a rollout's (or the colocated process's generation) wall time goes, from its stats file
 PHASES = ("decode", "admit_prefill", "rebuild_prefill", "reward", "spool_write", "ledger", "weights_transfer",

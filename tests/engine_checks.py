@@ -13,7 +13,7 @@ import torch
 
 from hpcrl.model.hf_io import load_model, save_model
 from hpcrl.model.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from hpcrl.rollout.engine import Completion, Request
+from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.weights.transport import DiskWeights
 from hpcrl.weights.config import WeightsConfig
 
@@ -131,3 +131,24 @@ def check_versions_exact(done: list[Completion], old_model, new_model, old: int 
             counts["told_apart"] += abs(ref[old][i] - ref[new][i]) > 10 * tol
         counts["spanning"] += len(set(c.versions)) == 2
     return counts
+
+
+def groups_share_first_requests(engine, a, b, weights: DiskWeights) -> None:
+    """Prompt groups (four samples of each of four prompts) with an update mid-way: a group's samples go out
+    together (``n`` per request) and every token's version stays exact; a greedy group equals HF generate."""
+    sampling, engine.sampling = engine.sampling, SamplingParams(max_new_tokens=24)  # sampled: greedy is never n > 1
+    try:
+        before = dict(engine.stats)
+        group = [Request((p, k), prompt) for p, prompt in enumerate(prompts(4)) for k in range(4)]
+        even, odd = a, b  # version v holds A's weights for v even, B's for v odd (update_mid_generation alternates)
+        update_mid_generation(engine, group, *((even, odd) if engine.version % 2 == 0 else (odd, even)), weights)
+        delta = {k: engine.stats[k] - before[k] for k in ("requests", "segments", "resubmitted")}
+        sequences, first_requests = delta["segments"] - delta["resubmitted"], delta["requests"] - delta["resubmitted"]
+        # all together: 1 first request per group of 4 (warm-up) and 2 per paced group (one 2-token sample apart)
+        assert first_requests <= 0.75 * sequences, delta
+        engine.sampling = SamplingParams(max_new_tokens=10, greedy=True)
+        prompt = prompts(5)[4]
+        got = collect(engine, [Request(k, prompt) for k in range(4)])
+        assert [c.output_ids for c in got] == [hf_greedy(odd if engine.version % 2 else even, prompt, 10)] * 4
+    finally:
+        engine.sampling = sampling

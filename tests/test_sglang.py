@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_checks import collect, hf_greedy, make_policies, prompts, update_mid_generation
+from engine_checks import (collect, groups_share_first_requests, hf_greedy, make_policies, prompts,
+                           update_mid_generation)
 from hpcrl.model.tiny import build_char_tokenizer
 from hpcrl.rollout import remote_engine, sglang_engine
 from hpcrl.rollout.config import RolloutConfig
@@ -86,6 +87,11 @@ def test_update_mid_generation_is_version_exact_and_loads_the_published_weights(
         assert body["weight_version"] == str(version) and Path(body["model_path"]) == weights.version_dir(version)
 
 
+def test_a_prompt_groups_samples_share_their_first_request_and_stay_version_exact(engine, policies) -> None:
+    _, a, b, weights = policies
+    groups_share_first_requests(engine, a, b, weights)
+
+
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:
     engine.sampling = SamplingParams(max_new_tokens=16)
     for i, p in enumerate(prompts(5)):
@@ -100,11 +106,12 @@ def test_a_refused_update_fails_with_the_servers_message(engine, launcher, tmp_p
     bad.mkdir()
     from safetensors.torch import save_file
     save_file({"no.such.weight": torch.zeros(2)}, str(bad / "model.safetensors"))
-    with pytest.raises(EngineServerError, match="update_weights_from_disk.*no.such.weight|refused version 2"):
-        engine.update_weights(WeightVersion(2, path=bad))
+    version = engine.version
+    with pytest.raises(EngineServerError, match=f"update_weights_from_disk.*no.such.weight|refused version {version + 1}"):
+        engine.update_weights(WeightVersion(version + 1, path=bad))
     # the server's weights are unknown after a failed load: the engine refuses to generate on
-    assert engine.version == 1
-    with pytest.raises(EngineServerError, match="loading version 2"):
+    assert engine.version == version
+    with pytest.raises(EngineServerError, match=f"loading version {version + 1}"):
         engine.poll()
     if launcher[1] == str(STANDIN):  # the server was not left paused
         assert [p for p, _ in calls(engine) if not p.startswith("/standin")][-1] == "/continue_generation"

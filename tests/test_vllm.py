@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_checks import collect, hf_greedy, make_policies, prompts, update_mid_generation
+from engine_checks import (collect, groups_share_first_requests, hf_greedy, make_policies, prompts,
+                           update_mid_generation)
 from test_e2e import ROOT, cache, check_ok, submit_args  # noqa: F401 (cache is a fixture)
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -67,6 +68,11 @@ def test_update_mid_generation_is_version_exact_and_loads_the_published_weights(
         assert got[i].output_ids == hf_greedy(model, p, 12), i
         assert got[i].finish_reason == ("stop" if got[i].output_ids[-1] == 1 else "length")
         assert set(got[i].versions) == {version}
+
+
+def test_a_prompt_groups_samples_share_their_first_request_and_stay_version_exact(engine, policies) -> None:
+    _, a, b, weights = policies
+    groups_share_first_requests(engine, a, b, weights)
 
 
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:

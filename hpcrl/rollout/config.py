@@ -20,6 +20,8 @@ class RolloutConfig:
     tensor_parallel_size: int = 0  # vllm/sglang: 0 = launch.rollout.gpus_per_node (1 without GPUs)
     server_start_timeout_s: float = 600.0  # vllm/sglang: the server must answer its health check within this
     request_timeout_s: float = 1800.0  # vllm/sglang: a generate request unanswered for this long fails the rollout job
+    # vllm/sglang: the samples of a prompt group share their first request (n of them: one round trip, one prefill)
+    coalesce: bool = True
     staging_dir: str = ""  # vllm/sglang: node-local directory for weights received in memory ("" = /dev/shm or /tmp)
     replicas: int = 1  # independent rollout processes (all share the admission ledger)
     group_size: int = 8  # samples per prompt (a prompt group)

@@ -83,7 +83,7 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         if server is not None:
             server.start(site.on_wait)
         engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
-                              request_timeout_s=cfg.request_timeout_s)
+                              request_timeout_s=cfg.request_timeout_s, coalesce=cfg.coalesce)
     except BaseException:
         if server is not None:
             server.stop()

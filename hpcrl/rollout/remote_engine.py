@@ -1,10 +1,16 @@
 """A server inference engine (vLLM, SGLang) behind the rollout's submit/poll seam.
 
-The server batches on its own side; this class keeps it busy with one HTTP
-request per submitted sequence, sent from an asyncio event loop on a
-background thread, and hands finished sequences to the rollout loop through
-a queue that :meth:`RemoteEngine.poll` drains. The wire format of each
-server lives in a :class:`ServerBackend` (``vllm_engine``, ``sglang_engine``).
+The server batches on its own side; this class keeps it busy with HTTP
+requests sent from an asyncio event loop on a background thread, and hands
+finished sequences to the rollout loop through a queue that
+:meth:`RemoteEngine.poll` drains. The wire format of each server lives in a
+:class:`ServerBackend` (``vllm_engine``, ``sglang_engine``).
+
+Sequences submitted together with the same prompt and length limit (the
+samples of one prompt group) share their first request, which asks for
+``n`` of them (``coalesce``, on by default; not for greedy decoding): one
+HTTP round trip and one prefill instead of ``n``. Each sequence interrupted by a weight update goes
+on with requests of its own.
 
 Version-exact tokens (abort and resubmit, as AReaL does). Every sequence is
 generated in *segments*: one request carrying the prompt plus the tokens
@@ -86,7 +92,9 @@ class ServerBackend(Protocol):
         ...
 
     async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
-                       sampling: SamplingParams) -> Segment: ...
+                       sampling: SamplingParams, n: int = 1) -> list[Segment]:
+        """``n`` independent samples of one prompt, in one request."""
+        ...
 
     async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None: ...
 
@@ -121,8 +129,10 @@ class RemoteEngine:
 
     def __init__(self, backend: ServerBackend, url: str, *, sampling: SamplingParams, staging_dir: Path,
                  server: ServerProcess | None = None, version: int = 0, request_timeout_s: float = 1800.0,
-                 abort_retry_s: float = 0.2) -> None:
+                 abort_retry_s: float = 0.2, coalesce: bool = True) -> None:
         self.backend, self.url, self.sampling, self.server = backend, url.rstrip("/"), sampling, server
+        self.coalesce = coalesce
+        self._submitted: list[_Seq] = []  # since the last flush (under _count_lock)
         self.staging_dir, self.request_timeout_s, self.abort_retry_s = Path(staging_dir), request_timeout_s, abort_retry_s
         self.on_wait: Callable[[], None] | None = None  # called every few seconds while an update blocks (heartbeat)
         self._version = version
@@ -134,7 +144,8 @@ class RemoteEngine:
         self._outstanding = 0  # generate requests sent and not answered (loop thread only)
         self._interrupts = 0  # aborts this client asked for: an abort the server made on its own is an error
         self._broken: EngineServerError | None = None  # a failed reload: the server's weights are unknown
-        self.stats: dict[str, float] = {"segments": 0, "resubmitted": 0, "weight_updates": 0, "tokens_generated": 0,
+        self.stats: dict[str, float] = {"requests": 0, "segments": 0, "resubmitted": 0, "weight_updates": 0,
+                                        "tokens_generated": 0,
                                         "update_s": 0.0, "update_drain_s": 0.0, "update_load_s": 0.0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
@@ -182,7 +193,10 @@ class RemoteEngine:
         limit = request.max_new_tokens or self.sampling.max_new_tokens
         with self._count_lock:
             self._in_flight += 1
-        self._loop.call_soon_threadsafe(self._start, _Seq(request, limit))
+            self._submitted.append(_Seq(request, limit))
+            first = len(self._submitted) == 1
+        if first:  # the flush takes every submission made before it runs: a group submitted at once goes together
+            self._loop.call_soon_threadsafe(self._flush)
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
         if self._broken is not None:
@@ -238,33 +252,28 @@ class RemoteEngine:
 
     # ----------------------------------------------------------------- client loop
 
-    def _start(self, seq: _Seq) -> None:
-        key, self._next_key = self._next_key, self._next_key + 1
-        self._seqs[key] = seq
-        seq.task = self._loop.create_task(self._generate(key, seq))
+    def _flush(self) -> None:
+        """Start what was submitted since the last flush; alike sequences (one prompt, one limit) together."""
+        with self._count_lock:
+            submitted, self._submitted = self._submitted, []
+        alike: dict[tuple, list[_Seq]] = {}
+        coalesce = self.coalesce and not self.sampling.greedy  # vLLM refuses n > 1 greedy samples (all alike anyway)
+        for seq in submitted:
+            key = (tuple(seq.request.prompt_ids), seq.limit) if coalesce else (len(alike),)
+            alike.setdefault(key, []).append(seq)
+        for seqs in alike.values():
+            keys = list(range(self._next_key, self._next_key + len(seqs)))
+            self._next_key += len(seqs)
+            task = self._loop.create_task(self._generate(keys, seqs))
+            for key, seq in zip(keys, seqs):
+                self._seqs[key], seq.task = seq, task
 
-    async def _generate(self, key: int, seq: _Seq) -> None:
+    async def _generate(self, keys: list[int], seqs: list[_Seq]) -> None:
+        """Generate ``seqs`` (alike) to their ends: one first request for all, then each on its own."""
         try:
-            while True:
-                while not self._gate.is_set():  # re-checked: the gate may close again before this task runs
-                    await self._gate.wait()
-                version, interrupts = self._version, self._interrupts  # no await from the check to here: the
-                self._outstanding += 1  # segment is counted before an update can see it, and runs under this version
-                try:
-                    segment = await self.backend.generate(self._http, self.url, seq.request.prompt_ids + seq.output_ids,
-                                                          seq.limit - len(seq.output_ids), self.sampling)
-                finally:
-                    self._outstanding -= 1
-                self._record(seq, segment, version)
-                if segment.finish != "abort" or len(seq.output_ids) >= seq.limit:
-                    break
-                if self._interrupts == interrupts:  # not ours: resubmitting would loop as fast as the server aborts
-                    raise EngineServerError(f"server aborted a request on its own: {segment.message or 'no reason'}")
-                self.stats["resubmitted"] += 1
-            reason = "length" if segment.finish == "abort" else segment.finish
-            r = seq.request
-            self._done.put((Completion(r.id, list(r.prompt_ids), seq.output_ids, seq.logprobs, seq.versions, reason),
-                            r))
+            segments, interrupts = await self._segments(seqs)
+            await asyncio.gather(*(self._go_on(key, seq, segment, interrupts)
+                                   for key, seq, segment in zip(keys, seqs, segments)))
         except asyncio.CancelledError:
             raise
         except EngineServerError as e:
@@ -272,7 +281,40 @@ class RemoteEngine:
         except Exception as e:  # a transport error or a malformed answer: the rollout must hear of it
             self._done.put(EngineServerError(f"generate request to {self.url} failed: {type(e).__name__}: {e}"))
         finally:
-            self._seqs.pop(key, None)
+            for key in keys:
+                self._seqs.pop(key, None)
+
+    async def _go_on(self, key: int, seq: _Seq, segment: Segment, interrupts: int) -> None:
+        """Resubmit ``seq`` after each interruption until it ends; then hand it to :meth:`poll`."""
+        while segment.finish == "abort" and len(seq.output_ids) < seq.limit:
+            if self._interrupts == interrupts:  # not ours: resubmitting would loop as fast as the server aborts
+                raise EngineServerError(f"server aborted a request on its own: {segment.message or 'no reason'}")
+            self.stats["resubmitted"] += 1
+            (segment,), interrupts = await self._segments([seq])
+        reason = "length" if segment.finish == "abort" else segment.finish
+        r = seq.request
+        self._done.put((Completion(r.id, list(r.prompt_ids), seq.output_ids, seq.logprobs, seq.versions, reason), r))
+        del self._seqs[key]  # no await since the put: an abort lists it once, from the queue
+
+    async def _segments(self, seqs: list[_Seq]) -> tuple[list[Segment], int]:
+        """One request, under one weight version: the next segment of each of ``seqs`` (alike so far), recorded;
+        also the count of interruptions when it was sent."""
+        while not self._gate.is_set():  # re-checked: the gate may close again before this task runs
+            await self._gate.wait()
+        version, interrupts = self._version, self._interrupts  # no await from the check to here: the
+        self._outstanding += 1  # request is counted before an update can see it, and runs under this version
+        try:
+            seq = seqs[0]
+            segments = await self.backend.generate(self._http, self.url, seq.request.prompt_ids + seq.output_ids,
+                                                   seq.limit - len(seq.output_ids), self.sampling, n=len(seqs))
+        finally:
+            self._outstanding -= 1
+        if len(segments) != len(seqs):
+            raise EngineServerError(f"asked for {len(seqs)} samples of one prompt, the server returned {len(segments)}")
+        for seq, segment in zip(seqs, segments):
+            self._record(seq, segment, version)
+        self.stats["requests"] += 1
+        return segments, interrupts
 
     def _record(self, seq: _Seq, segment: Segment, version: int) -> None:
         if len(segment.output_ids) != len(segment.logprobs):
@@ -319,8 +361,10 @@ class RemoteEngine:
         self._gate.clear()
         self._interrupts += 1
         try:
-            tasks = [s.task for s in self._seqs.values() if s.task is not None]
-            requests = [s.request for s in self._seqs.values()]
+            tasks = {s.task for s in self._seqs.values() if s.task is not None}
+            with self._count_lock:
+                submitted, self._submitted = self._submitted, []
+            requests = [s.request for s in [*self._seqs.values(), *submitted]]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -344,7 +388,7 @@ class RemoteEngine:
             self._gate.set()
 
     async def _shutdown(self) -> None:
-        tasks = [s.task for s in self._seqs.values() if s.task is not None]
+        tasks = {s.task for s in self._seqs.values() if s.task is not None}
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -54,6 +54,19 @@ def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_
     return argv + list(extra), {}
 
 
+def _segment(answer: dict) -> Segment:
+    """One answer of ``/generate``."""
+    meta = answer["meta_info"]
+    # each entry is [logprob, token_id, text]: the ids come from there (0.5.1-0.5.4 prefix output_ids with
+    # prompt tokens; a request aborted before its first token may have no output_ids at all)
+    entries = meta.get("output_token_logprobs") or []
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+    return Segment([int(e[1]) for e in entries], [float(e[0]) for e in entries],
+                   kind if kind in ("stop", "length", "abort") else "length",
+                   message=str(finish.get("message", "")) if isinstance(finish, dict) else "")
+
+
 class SGLangBackend:
     """SGLang's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
 
@@ -67,23 +80,16 @@ class SGLangBackend:
             raise EngineServerError(f"{url}/get_model_info does not look like SGLang's: {str(info)[:300]}")
 
     async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
-                       sampling: SamplingParams) -> Segment:
-        body = {"input_ids": prompt_ids, "return_logprob": True,
+                       sampling: SamplingParams, n: int = 1) -> list[Segment]:
+        """``n`` > 1: one batch request (``input_ids`` a list of ``n`` copies), answered by a list."""
+        body = {"input_ids": [prompt_ids] * n if n > 1 else prompt_ids, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": max_new_tokens,
                                     "temperature": 0.0 if sampling.greedy else sampling.temperature,
                                     "top_p": 1.0, "top_k": -1, "ignore_eos": sampling.ignore_eos,
                                     "skip_special_tokens": False, "no_stop_trim": True}}
         async with http.post(f"{url}/generate", json=body) as r:
             data = await check_response(r, "POST /generate")
-        meta = data["meta_info"]
-        # each entry is [logprob, token_id, text]: the ids come from there (0.5.1-0.5.4 prefix output_ids with
-        # prompt tokens; a request aborted before its first token may have no output_ids at all)
-        entries = meta.get("output_token_logprobs") or []
-        finish = meta.get("finish_reason") or {}
-        kind = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
-        return Segment([int(e[1]) for e in entries], [float(e[0]) for e in entries],
-                       kind if kind in ("stop", "length", "abort") else "length",
-                       message=str(finish.get("message", "")) if isinstance(finish, dict) else "")
+        return [_segment(answer) for answer in (data if n > 1 else [data])]
 
     async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None:
         async with http.post(f"{url}/abort_request", json={"abort_all": True}) as r:

@@ -109,6 +109,13 @@ def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_
     return argv + list(extra), env
 
 
+def _segment(choice: dict) -> Segment:
+    """One choice of a ``/v1/completions`` answer."""
+    ids = list(choice.get("token_ids") or [])
+    lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    return Segment(ids, [float(x) for x in lps], _FINISH.get(choice.get("finish_reason"), "length"))
+
+
 class VLLMBackend:
     """vLLM's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
 
@@ -124,18 +131,14 @@ class VLLMBackend:
         self.model = data["data"][0]["id"]
 
     async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
-                       sampling: SamplingParams) -> Segment:
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_new_tokens,
+                       sampling: SamplingParams, n: int = 1) -> list[Segment]:
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "n": n,
                 "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": 1.0, "top_k": -1,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                 "ignore_eos": sampling.ignore_eos}
         async with http.post(f"{url}/v1/completions", json=body) as r:
             data = await check_response(r, "POST /v1/completions")
-        choice = data["choices"][0]
-        ids = list(choice.get("token_ids") or [])
-        lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-        finish = _FINISH.get(choice.get("finish_reason"), "length")
-        return Segment(ids, [float(x) for x in lps], finish)
+        return [_segment(choice) for choice in sorted(data["choices"], key=lambda c: c["index"])]
 
     async def abort_all(self, http: aiohttp.ClientSession, url: str) -> None:
         async with http.post(f"{url}/abort_requests", json={}) as r:
