@@ -294,7 +294,7 @@ class RemoteEngine:
         reason = "length" if segment.finish == "abort" else segment.finish
         r = seq.request
         self._done.put((Completion(r.id, list(r.prompt_ids), seq.output_ids, seq.logprobs, seq.versions, reason), r))
-        del self._seqs[key]  # no await since the put: an abort lists it once, from the queue
+        self._seqs.pop(key, None)  # no await since the put: an abort lists it once, from the queue
 
     async def _segments(self, seqs: list[_Seq]) -> tuple[list[Segment], int]:
         """One request, under one weight version: the next segment of each of ``seqs`` (alike so far), recorded;
