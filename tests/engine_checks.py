@@ -16,6 +16,7 @@ from hpcrl.model.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_m
 from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.weights.transport import DiskWeights
 from hpcrl.weights.config import WeightsConfig
+from hpcrl.weights.version import WeightVersion
 
 EOS = 1
 
@@ -73,7 +74,7 @@ def collect(engine, requests: list[Request]) -> list[Completion]:
 
 
 def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWeights, attempts: int = 5,
-                          long_tokens: int = 160) -> tuple[dict[str, int], int, torch.nn.Module]:
+                          long_tokens: int = 160, in_memory: bool = False) -> tuple[dict[str, int], int, torch.nn.Module]:
     """Submit all, update the weights mid-way, collect everything, and check every token's version is exact.
 
     Mid-way: when the first request finishes. Every fourth request is a pacer
@@ -83,6 +84,9 @@ def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWe
     finish before the others have started), no sequence spans two versions:
     the scenario is played again with the next version (B and A alternate),
     up to ``attempts`` times. Exactness is checked on every attempt.
+
+    ``in_memory``: each version is handed over as tensors in this process
+    (as collective weights are), not as its published directory.
 
     Returns (counts of the attempt that interrupted generation, its new
     version, the model holding that version's weights).
@@ -104,7 +108,8 @@ def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWe
         while len(done) < len(paced):
             done += engine.poll(0.01)
             if not updated and done:
-                engine.update_weights(weights.locate(new))
+                engine.update_weights(WeightVersion(new, state=models[new].state_dict()) if in_memory
+                                      else weights.locate(new))
                 updated = True
             assert time.time() - t0 < 120, "engine did not finish"
         assert updated and engine.version == new

@@ -92,6 +92,30 @@ def test_a_prompt_groups_samples_share_their_first_request_and_stay_version_exac
     groups_share_first_requests(engine, a, b, weights)
 
 
+def test_versions_held_in_memory_go_to_the_server_over_its_update_group(launcher, policies, tmp_path) -> None:
+    """rollout.server_update=group: tensors in the rollout's memory are broadcast into the server (rank 0 to its
+    workers) instead of staged to disk; generation stays version-exact across the update."""
+    _, a, b, weights = policies
+    eng = start(policies[0], tmp_path, server_update="group")
+    try:
+        counts, version, model = update_mid_generation(eng, [Request(i, p) for i, p in enumerate(prompts(16))],
+                                                       a, b, weights, in_memory=True)
+        assert counts["told_apart"] > 0.5 * (counts["old"] + counts["new"]), counts
+        eng.sampling = SamplingParams(max_new_tokens=10, greedy=True)
+        greedy = prompts(4)
+        got = collect(eng, [Request(i, p) for i, p in enumerate(greedy)])
+        assert [c.output_ids for c in got] == [hf_greedy(model, p, 10) for p in greedy]
+        assert not list(eng.staging_dir.glob("v*"))  # nothing was staged
+        if launcher[1] == str(STANDIN):
+            paths = [p for p, _ in calls(eng) if p != "/generate" and not p.startswith("/standin")]
+            assert paths.count("/init_weights_update_group") == 1 and "/update_weights_from_disk" not in paths
+            assert paths.count("/update_weights_from_distributed") == eng.stats["weight_updates"] >= 1
+            body = [b for p, b in calls(eng) if p == "/update_weights_from_distributed"][-1]
+            assert body["weight_version"] == str(version) and "lm_head.weight" in body["names"]
+    finally:
+        eng.close()
+
+
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:
     engine.sampling = SamplingParams(max_new_tokens=16)
     for i, p in enumerate(prompts(5)):

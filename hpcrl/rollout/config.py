@@ -22,6 +22,9 @@ class RolloutConfig:
     request_timeout_s: float = 1800.0  # vllm/sglang: a generate request unanswered for this long fails the rollout job
     # vllm/sglang: the samples of a prompt group share their first request (n of them: one round trip, one prefill)
     coalesce: bool = True
+    # sglang: how a version held in memory (collective/colocated weights) reaches the server: stage = written to
+    # staging_dir and reloaded from there; group = broadcast into the server over its weight-update group
+    server_update: Literal["stage", "group"] = "stage"
     staging_dir: str = ""  # vllm/sglang: node-local directory for weights received in memory ("" = /dev/shm or /tmp)
     replicas: int = 1  # independent rollout processes (all share the admission ledger)
     group_size: int = 8  # samples per prompt (a prompt group)
@@ -57,6 +60,9 @@ class RolloutConfig:
         for name in ("server_start_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.server_update == "group" and self.engine != "sglang":
+            raise ValueError(f"server_update: 'group' needs rollout.engine=sglang (with {self.engine!r} a version "
+                             "held in memory is staged: vLLM's transfer engines need CUDA on both sides); use 'stage'")
         if self.server_url and self.replicas > 1:
             raise ValueError(f"server_url: one server per rollout replica (each one pauses and reloads it), but "
                              f"replicas={self.replicas}; leave server_url empty to start one server per replica")

@@ -69,9 +69,9 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         from hpcrl.rollout import sglang_engine as backend_mod
         backend = backend_mod.SGLangBackend()
     server, url = None, cfg.server_url
+    tp = cfg.tensor_parallel_size or (1 if url else max(site.gpus, 1))
     if not url:
         port = cfg.server_port or free_port(cfg.server_host)
-        tp = cfg.tensor_parallel_size or max(site.gpus, 1)
         argv, env = backend_mod.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
                                                tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
                                                staging=staging)
@@ -82,8 +82,14 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
     try:
         if server is not None:
             server.start(site.on_wait)
+        group = None
+        if cfg.server_update == "group":  # the server's workers connect to this process: a server this job
+            from hpcrl.rollout.update_group import UpdateGroup  # started on loopback finds it there, others by name
+            local = not cfg.server_url and cfg.server_host in ("127.0.0.1", "localhost", "::1")
+            address = "127.0.0.1" if local else socket.getfqdn()
+            group = UpdateGroup(address, 1 + tp, name=f"hpcrl-{site.name}", timeout_s=cfg.server_start_timeout_s)
         engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
-                              request_timeout_s=cfg.request_timeout_s, coalesce=cfg.coalesce)
+                              request_timeout_s=cfg.request_timeout_s, coalesce=cfg.coalesce, update_group=group)
     except BaseException:
         if server is not None:
             server.stop()

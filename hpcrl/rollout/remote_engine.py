@@ -23,8 +23,11 @@ entirely under one weight version, and its tokens are tagged with it:
    the gate closed may reach the server after the first abort): each
    aborted segment returns the tokens it has, tagged with the old version;
 3. with nothing in flight it pauses the server, loads the version's
-   directory, resets the prefix cache (cached keys/values of the old
-   weights must not be reused), sets the server's weight version, resumes;
+   directory (or, for tensors held in this process with an
+   ``update_group``, broadcasts them into the server:
+   :mod:`hpcrl.rollout.update_group`), resets the prefix cache (cached
+   keys/values of the old weights must not be reused), sets the server's
+   weight version, resumes;
 4. it opens the gate: every interrupted sequence continues with a new
    segment (its prefix is prefilled under the new weights, the same exact
    continuation as the embedded engine's cache rebuild), and its later
@@ -61,7 +64,8 @@ import aiohttp
 
 from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.rollout.server import EngineServerError, ServerProcess
-from hpcrl.weights.version import WeightVersion
+from hpcrl.rollout.update_group import UpdateGroup
+from hpcrl.weights.version import WeightVersion, storable_tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +106,9 @@ class ServerBackend(Protocol):
         """Pause (nothing is in flight), load ``path``, reset caches, set ``version``, resume."""
         ...
 
+    # a backend that can receive tensors over its own weight-update group (rollout.server_update=group) also has
+    # async push(http, url, group: UpdateGroup, state: Mapping[str, Tensor], version: int): pause, broadcast, resume
+
 
 @dataclass
 class _Seq:
@@ -129,8 +136,9 @@ class RemoteEngine:
 
     def __init__(self, backend: ServerBackend, url: str, *, sampling: SamplingParams, staging_dir: Path,
                  server: ServerProcess | None = None, version: int = 0, request_timeout_s: float = 1800.0,
-                 abort_retry_s: float = 0.2, coalesce: bool = True) -> None:
+                 abort_retry_s: float = 0.2, coalesce: bool = True, update_group: UpdateGroup | None = None) -> None:
         self.backend, self.url, self.sampling, self.server = backend, url.rstrip("/"), sampling, server
+        self.update_group = update_group  # in-memory versions go to the server over it instead of a staged copy
         self.coalesce = coalesce
         self._submitted: list[_Seq] = []  # since the last flush (under _count_lock)
         self.staging_dir, self.request_timeout_s, self.abort_retry_s = Path(staging_dir), request_timeout_s, abort_retry_s
@@ -220,9 +228,15 @@ class RemoteEngine:
     def update_weights(self, weights: WeightVersion) -> None:
         if self._broken is not None:
             raise self._broken
-        path = weights.directory(self.staging_dir)
         t0 = time.perf_counter()
-        self._call(self._update(path, weights.version))
+        if weights.state is not None and self.update_group is not None:
+            state = storable_tensors(weights.state)
+            self._call(self._update(lambda: self.backend.push(self._http, self.url, self.update_group, state,
+                                                              weights.version), weights.version))
+        else:
+            path = weights.directory(self.staging_dir)
+            self._call(self._update(lambda: self.backend.load(self._http, self.url, path, weights.version),
+                                    weights.version, path))
         self.stats["weight_updates"] += 1
         self.stats["update_s"] += time.perf_counter() - t0
 
@@ -246,6 +260,8 @@ class RemoteEngine:
                 else:
                     self._loop.close()
         finally:
+            if self.update_group is not None:
+                self.update_group.close()
             if self.server is not None:
                 self.server.stop()
             shutil.rmtree(self.staging_dir, ignore_errors=True)
@@ -336,21 +352,23 @@ class RemoteEngine:
             while self._outstanding and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
 
-    async def _update(self, path: Path, version: int) -> None:
+    async def _update(self, load: Callable[[], Awaitable[None]], version: int, path: Path | None = None) -> None:
+        """Drain, then ``load`` the version into the server (from ``path``, or pushed), then open the gate."""
         self._gate.clear()
         t0 = time.perf_counter()
         try:
             await self._drain()
-            if not path.exists():  # pruned while draining: nothing changed on the server; the caller looks again
+            if path is not None and not path.exists():  # pruned while draining: nothing changed; look again
                 raise FileNotFoundError(path)
         except BaseException:
             self._gate.set()
             raise
         t1 = time.perf_counter()
         try:
-            await self.backend.load(self._http, self.url, path, version)
+            await load()
         except Exception as e:  # the server may hold a mix of versions now: nothing more may be generated
-            self._broken = EngineServerError(f"loading version {version} from {path} failed: {e}")
+            where = f"from {path}" if path is not None else "over the weight-update group"
+            self._broken = EngineServerError(f"loading version {version} {where} failed: {e}")
             raise self._broken from e
         self._version = version  # before the gate opens: every later segment runs under it
         self.stats["update_drain_s"] += t1 - t0

@@ -25,22 +25,30 @@ answers, SGLang 0.5.x native API (``sglang/srt/entrypoints/http_server.py``,
   /update_weight_version`` (0.5.6 does not set the version on a paused
   update), ``POST /continue_generation {}``.
 
-Its NCCL path (``/init_weights_update_group``,
-``/update_weights_from_distributed``) is not used: hpcrl's collective mode
-receives the broadcast in the rollout process and hands SGLang a staged
-directory, as for vLLM.
+- new weights held in memory, with ``rollout.server_update=group``
+  (:mod:`hpcrl.rollout.update_group`): once, ``POST /init_weights_update_group
+  {"master_address", "master_port", "rank_offset": 1, "world_size": 1 + TP,
+  "group_name", "backend"}`` while the rollout joins as rank 0; per version,
+  after the pause, ``POST /update_weights_from_distributed {"names",
+  "dtypes", "shapes", "group_name", "flush_cache": true, "weight_version"}``
+  while the rollout broadcasts the tensors in that order; then the version
+  and ``/continue_generation`` as above.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import aiohttp
+import torch
 
 from hpcrl.rollout.engine import SamplingParams
 from hpcrl.rollout.remote_engine import Segment, check_response
 from hpcrl.rollout.server import EngineServerError
+from hpcrl.rollout.update_group import UpdateGroup, announce
 
 
 LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]  # the tests point this at the stand-in
@@ -102,6 +110,27 @@ class SGLangBackend:
                                       {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
             if not answer.get("success", False):
                 raise EngineServerError(f"SGLang refused version {version} from {path}: {answer.get('message')}")
+            await self._post(http, url, "/update_weight_version",
+                             {"new_version": str(version), "abort_all_requests": False})
+        finally:
+            await self._post(http, url, "/continue_generation", {})
+
+    async def push(self, http: aiohttp.ClientSession, url: str, group: UpdateGroup, state: Mapping[str, torch.Tensor],
+                   version: int) -> None:
+        await self._post(http, url, "/pause_generation", {"mode": "abort"})
+        try:
+            if not group.joined:
+                body = {"master_address": group.address, "master_port": group.port, "rank_offset": 1,
+                        "world_size": group.world_size, "group_name": group.name, "backend": group.backend}
+                answer, _ = await asyncio.gather(self._post(http, url, "/init_weights_update_group", body),
+                                                 asyncio.to_thread(group.join))
+                if not answer.get("success", False):
+                    raise EngineServerError(f"SGLang did not join the weight-update group: {answer.get('message')}")
+            body = {**announce(state), "group_name": group.name, "flush_cache": True, "weight_version": str(version)}
+            answer, _ = await asyncio.gather(self._post(http, url, "/update_weights_from_distributed", body),
+                                             asyncio.to_thread(group.broadcast, list(state.values())))
+            if not answer.get("success", False):
+                raise EngineServerError(f"SGLang refused version {version} over the group: {answer.get('message')}")
             await self._post(http, url, "/update_weight_version",
                              {"new_version": str(version), "abort_all_requests": False})
         finally:
