@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_e2e import cache, check_ok, submit  # noqa: F401 (cache is a fixture)
 from engine_checks import (collect, groups_share_first_requests, hf_greedy, make_policies, prompts,
                            update_mid_generation)
+from hpcrl.audit import audit
+from hpcrl.metrics.writer import read_metrics
 from hpcrl.model.tiny import build_char_tokenizer
 from hpcrl.rollout import remote_engine, sglang_engine
 from hpcrl.rollout.config import RolloutConfig
@@ -114,6 +117,25 @@ def test_versions_held_in_memory_go_to_the_server_over_its_update_group(launcher
             assert body["weight_version"] == str(version) and "lm_head.weight" in body["names"]
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_a_run_broadcasting_collective_weights_into_the_server_passes_the_audit(tmp_path, cache) -> None:
+    """A whole run with an SGLang rollout (the stand-in, through rollout.server_launcher): the trainer's broadcast
+    reaches the rollout, which broadcasts it on into its server over the server's update group, every step."""
+    run = tmp_path / "sglang"
+    check_ok(submit(run, cache, "rollout.engine=sglang", "weights.mode=collective", "rollout.server_update=group",
+                    f"rollout.server_launcher=[{sys.executable},{STANDIN},--token-delay-s,0]",
+                    "admission.max_staleness=0", "algo.drop_uniform_groups=false", timeout=600))
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == 8 and rep.max_token_staleness == 0
+    steps = [r for r in read_metrics(run / "logs" / "metrics.jsonl") if "mismatch/tokens" in r]
+    # eta = 0: every token comes from the weights the trainer holds; the server's logprobs are the trainer's
+    assert len(steps) == 8 and max(r["mismatch/abs_max"] for r in steps) < 1e-3
+    stats = json.loads((run / "logs" / "rollout-0.stats.json").read_text())
+    assert stats["engine"]["weight_updates"] >= 4
+    assert "weight-update group" in (run / "logs" / "rollout-0.log").read_text()
 
 
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:

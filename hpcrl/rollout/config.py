@@ -17,6 +17,9 @@ class RolloutConfig:
     server_host: str = "127.0.0.1"  # vllm/sglang: address the started server binds (loopback: only this job reaches it)
     server_port: int = 0  # vllm/sglang: port of the started server (0 = a free port)
     server_args: list[str] = field(default_factory=list)  # vllm/sglang: extra command-line arguments of the server
+    # vllm/sglang: the command that starts the server, before its arguments ([] = this Python, -m the engine's server
+    # module); e.g. a container wrapper: [apptainer, exec, --nv, sglang.sif, python3, -m, sglang.launch_server]
+    server_launcher: list[str] = field(default_factory=list)
     tensor_parallel_size: int = 0  # vllm/sglang: 0 = launch.rollout.gpus_per_node (1 without GPUs)
     server_start_timeout_s: float = 600.0  # vllm/sglang: the server must answer its health check within this
     request_timeout_s: float = 1800.0  # vllm/sglang: a generate request unanswered for this long fails the rollout job

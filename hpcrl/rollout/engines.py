@@ -74,7 +74,7 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         port = cfg.server_port or free_port(cfg.server_host)
         argv, env = backend_mod.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
                                                tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
-                                               staging=staging)
+                                               staging=staging, launcher=cfg.server_launcher)
         url = f"http://{cfg.server_host}:{port}"
         server = ServerProcess(argv, health_url=url + backend.health_path, env=env,
                                log_path=site.log_dir / f"{site.name}-server.log",

@@ -55,9 +55,10 @@ LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]  # the tests point thi
 
 
 def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
-                   extra: list[str], gpu: bool, staging: Path) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of an SGLang server for ``model_path``."""
-    argv = [*LAUNCHER, "--model-path", model_path, "--host", host, "--port", str(port),
+                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of an SGLang server for ``model_path`` (``launcher``: the command before the
+    arguments)."""
+    argv = [*(launcher or LAUNCHER), "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(tensor_parallel_size), "--dtype", dtype, "--skip-server-warmup"]
     return argv + list(extra), {}
 

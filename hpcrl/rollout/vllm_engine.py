@@ -93,11 +93,14 @@ def untied_view(model_path: str | Path, staging: Path) -> Path:
     return view
 
 
+LAUNCHER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
-                   extra: list[str], gpu: bool, staging: Path) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of a vLLM server for ``model_path``."""
+                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of a vLLM server for ``model_path`` (``launcher``: the command before the arguments)."""
     served = str(untied_view(model_path, staging))
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", served,
+    argv = [*(launcher or LAUNCHER), "--model", served,
             "--served-model-name", "policy", "--host", host, "--port", str(port), "--dtype", dtype,
             "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", str(tensor_parallel_size),
             "--disable-uvicorn-access-log"]
