@@ -23,7 +23,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 0  # vllm/sglang: 0 = launch.rollout.gpus_per_node (1 without GPUs)
     server_start_timeout_s: float = 600.0  # vllm/sglang: the server must answer its health check within this
     request_timeout_s: float = 1800.0  # vllm/sglang: a generate request unanswered for this long fails the rollout job
-    # vllm/sglang: the samples of a prompt group share their first request (n of them: one round trip, one prefill)
+    # vllm/sglang: the samples of a prompt group share their first request (a batch of n copies: one round trip)
     coalesce: bool = True
     # sglang: how a version held in memory (collective/colocated weights) reaches the server: stage = written to
     # staging_dir and reloaded from there; group = broadcast into the server over its weight-update group

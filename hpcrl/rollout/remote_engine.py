@@ -8,9 +8,9 @@ finished sequences to the rollout loop through a queue that
 
 Sequences submitted together with the same prompt and length limit (the
 samples of one prompt group) share their first request, which asks for
-``n`` of them (``coalesce``, on by default; not for greedy decoding): one
-HTTP round trip and one prefill instead of ``n``. Each sequence interrupted by a weight update goes
-on with requests of its own.
+``n`` of them (``coalesce``, on by default): one HTTP round trip instead of
+``n``. Each sequence interrupted by a weight update goes on with requests of
+its own.
 
 Version-exact tokens (abort and resubmit, as AReaL does). Every sequence is
 generated in *segments*: one request carrying the prompt plus the tokens
@@ -273,9 +273,8 @@ class RemoteEngine:
         with self._count_lock:
             submitted, self._submitted = self._submitted, []
         alike: dict[tuple, list[_Seq]] = {}
-        coalesce = self.coalesce and not self.sampling.greedy  # vLLM refuses n > 1 greedy samples (all alike anyway)
         for seq in submitted:
-            key = (tuple(seq.request.prompt_ids), seq.limit) if coalesce else (len(alike),)
+            key = (tuple(seq.request.prompt_ids), seq.limit) if self.coalesce else (len(alike),)
             alike.setdefault(key, []).append(seq)
         for seqs in alike.values():
             keys = list(range(self._next_key, self._next_key + len(seqs)))

@@ -135,7 +135,9 @@ class VLLMBackend:
 
     async def generate(self, http: aiohttp.ClientSession, url: str, prompt_ids: list[int], max_new_tokens: int,
                        sampling: SamplingParams, n: int = 1) -> list[Segment]:
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "n": n,
+        # n > 1: a batch of n copies of the prompt, not vLLM's n (an aborted n > 1 request answers without the
+        # tokens it had generated; each prompt of a batch is its own request and keeps them)
+        body = {"model": self.model, "prompt": [prompt_ids] * n if n > 1 else prompt_ids, "max_tokens": max_new_tokens,
                 "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": 1.0, "top_k": -1,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                 "ignore_eos": sampling.ignore_eos}
