@@ -141,7 +141,7 @@ def check_versions_exact(done: list[Completion], old_model, new_model, old: int 
 def groups_share_first_requests(engine, a, b, weights: DiskWeights) -> None:
     """Prompt groups (four samples of each of four prompts) with an update mid-way: a group's samples go out
     together (``n`` per request) and every token's version stays exact; a greedy group equals HF generate."""
-    sampling, engine.sampling = engine.sampling, SamplingParams(max_new_tokens=24)  # sampled: greedy is never n > 1
+    sampling, engine.sampling = engine.sampling, SamplingParams(max_new_tokens=24)  # sampled, as a rollout does
     try:
         before = dict(engine.stats)
         group = [Request((p, k), prompt) for p, prompt in enumerate(prompts(4)) for k in range(4)]
