@@ -61,7 +61,10 @@ class UpdateGroup:
 
     def close(self) -> None:
         if self._pg is not None:
-            dist.destroy_process_group(self._pg)
+            try:
+                dist.destroy_process_group(self._pg)
+            except Exception as e:  # the server may be gone already: closing the rollout must still finish
+                log.warning("closing weight-update group %s: %s", self.name, e)
             self._pg = None
 
 
