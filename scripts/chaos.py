@@ -146,7 +146,8 @@ def run_processes(run_dir: Path) -> dict[str, list[int]]:
 
 
 class Monitor(threading.Thread):
-    """Samples :func:`run_processes` every 20 ms; ``peak`` is the most live processes seen per role."""
+    """Samples :func:`run_processes` every 20 ms; ``peak`` is the most live instances of a role seen at once (a
+    process and its own children are one instance)."""
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(daemon=True)
@@ -156,15 +157,18 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(0.02):
             for role, pids in run_processes(self.run_dir).items():
-                if len(pids) > 1:
+                live = len(pids)
+                if live > 1:
                     # a sweep of /proc takes time: a process read early may have exited before one read
                     # later was started. Those still running now were all running at once.
                     states = {p: _state(p) for p in pids}
-                    pids = [p for p in pids if states[p] not in ("Z", "gone")]
-                    if len(pids) > 1 and len(self.crowded) < 20:
-                        self.crowded.append({"time": round(time.time(), 3), "role": role,
-                                             "processes": {p: _who(p, states[p]) for p in pids}})
-                self.peak[role] = max(self.peak[role], len(pids))
+                    who = {p: _who(p, states[p]) for p in pids if states[p] not in ("Z", "gone")}
+                    # a component's own child is part of it: a subprocess it starts shows its command line and
+                    # environment until exec (its parent waits in state D meanwhile); one component = one instance
+                    live = len({w.get("hpcrl_instance", p) for p, w in who.items() if w.get("ppid") not in who})
+                    if live > 1 and len(self.crowded) < 20:
+                        self.crowded.append({"time": round(time.time(), 3), "role": role, "processes": who})
+                self.peak[role] = max(self.peak[role], live)
 
 
 def _who(pid: int, state: str) -> dict:
