@@ -21,7 +21,8 @@ versions of the code can be compared side by side):
 * a supervisor kill (``--supervisor-kills``): kill -9 of ``hpcrl.submit``
   alone (its components run on, orphaned), then ``--resume`` as the README
   says; a monitor samples /proc every 20 ms for the peak number of live
-  trainer and per-replica rollout processes (one owner: never more than 1);
+  trainer and per-replica rollout instances (a process and its own children
+  are one; one owner: never more than 1);
 * an injection round (``--injections``): four bad files dropped into
   ``spool/ready/`` from outside: a valid group at the current version under a
   ticket that was never admitted, garbage bytes named at a stale version (once under a made-up
