@@ -72,7 +72,10 @@ def test_update_mid_generation_is_version_exact_and_loads_the_published_weights(
 
 def test_a_prompt_groups_samples_share_their_first_request_and_stay_version_exact(engine, policies) -> None:
     _, a, b, weights = policies
-    groups_share_first_requests(engine, a, b, weights)
+    counts, greedy, expected = groups_share_first_requests(engine, a, b, weights)
+    # together: 1 first request per group of 4 (warm-up), 2 per paced group (its 2-token sample apart); alone: 1 each
+    assert counts["first_requests"] <= 0.75 * counts["sequences"], counts
+    assert [c.output_ids for c in greedy] == [expected] * 4
 
 
 def test_abort_all_returns_every_request_and_the_engine_goes_on(engine) -> None:
