@@ -9,7 +9,10 @@
   (``jobs/finalized.json``), tickets still in flight are only counted;
 * only admitted work: no trained group and no drop record for a ticket that
   was never admitted, and every trained group holds its ticket's dataset
-  position (``admission/meta.json`` maps tickets to positions).
+  position (``admission/meta.json`` maps tickets to positions);
+* evaluation (``eval.mode: component``, once the run is closed): every due
+  version has a record in ``logs/eval.jsonl``, no snapshot was recorded
+  twice, and none is left pending.
 
 It exits non-zero and lists the violations if any invariant fails.
 """
@@ -39,6 +42,7 @@ class AuditReport:
     admitted: int = 0
     dropped: int = 0
     unfinished: int = 0  # admitted, neither trained nor dropped (in flight or waiting when the run stopped)
+    evaluations: int = 0  # records in logs/eval.jsonl (eval.mode: component)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -90,7 +94,31 @@ def audit(run_dir: str | Path) -> AuditReport:
     if rep.unfinished and (run_dir / "jobs" / "finalized.json").exists():
         missing = sorted(admitted - set(trained) - dropped)[:10]
         rep.violations.append(f"{rep.unfinished} admitted tickets neither trained nor dropped, e.g. {missing}")
+    if cfg.eval.mode == "component":
+        _audit_evaluations(run_dir, cfg, rep)
     return rep
+
+
+def _audit_evaluations(run_dir: Path, cfg, rep: AuditReport) -> None:
+    """Each evaluation snapshot recorded once; once the run is closed, every due version recorded."""
+    from hpcrl.eval.snapshots import EVAL_LOG, Snapshots
+    from hpcrl.metrics.writer import read_metrics
+
+    records = read_metrics(run_dir / "logs" / EVAL_LOG)
+    rep.evaluations = len(records)
+    for ident, n in Counter(r.get("eval/snapshot") for r in records).items():
+        if n > 1:
+            rep.violations.append(f"evaluation snapshot {ident} recorded {n} times")
+    if not (run_dir / "jobs" / "finalized.json").exists():
+        return
+    total = cfg.trainer.total_steps
+    due = {s for s in range(1, total + 1) if cfg.eval.due(s, total)} | ({0} if cfg.eval.at_start else set())
+    missing = sorted(due - {int(r.get("step", -1)) for r in records})
+    if missing:
+        rep.violations.append(f"due versions never evaluated: {missing[:10]}")
+    left = Snapshots(run_dir / "eval" / "pending").pending()
+    if left:
+        rep.violations.append(f"{len(left)} evaluation snapshots left pending, e.g. {left[0].id}")
 
 
 def _positions(run_dir: Path, cfg) -> Callable[[int], tuple[int, int]] | None:

@@ -64,7 +64,7 @@ from hpcrl.launch.dry_run import dry_run
 from hpcrl.launch.resume import open_resumed
 from hpcrl.launch.supervisor import RunCancelled, RunPreempted, RunTakenOver, supervise
 from hpcrl.runtime.owner import EXIT_FENCED
-from hpcrl.metrics.writer import read_metrics
+from hpcrl.metrics.writer import read_evals, read_metrics
 
 log = logging.getLogger("hpcrl.submit")
 
@@ -107,7 +107,7 @@ def record_failed_start(run_dir: Path, error: str) -> None:
 
 def summarize(run_dir: Path, started: float) -> dict:
     records = read_metrics(run_dir / "logs" / "metrics.jsonl")
-    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    evals = read_evals(run_dir / "logs")
     steps = [r for r in records if "reward/mean" in r]
     summary = {
         "run_dir": str(run_dir), "wall_s": time.time() - started, "steps": steps[-1]["step"] if steps else 0,

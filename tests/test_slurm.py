@@ -2,7 +2,7 @@
 
 Checks, from sacct and the run directory: the shortened quickstart completes
 through ``python -m hpcrl.submit ... launch.scheduler=slurm`` with the trainer
-(2 ranks on 2 nodes) and the rollout as separate jobs, and through
+(2 ranks on 2 nodes), the rollout and the evaluation component as separate jobs, and through
 ``sbatch sbatch/run_async_ppo.sh`` with trainer and rollout in separate het
 groups; a second rollout job added mid-run contributes trajectories with the
 staleness bound holding; bad input (missing partition, impossible
@@ -23,7 +23,7 @@ import pytest
 from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd, wait_not_active
 
 from hpcrl.audit import audit
-from hpcrl.metrics.writer import read_metrics
+from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.spool.store import Spool
 
 _reason = cluster_skip_reason()
@@ -40,24 +40,27 @@ def steps_done(run: Path) -> list[int]:
 
 
 def test_submit_with_slurm_runs_each_component_as_its_own_job(tmp_path, cache) -> None:
+    """Trainer (2 ranks on 2 nodes), rollout and the evaluation component each a job of their own."""
     run = tmp_path / "run"
     proc = subprocess.run(submit_cmd(run, cache, "trainer.total_steps=8", "trainer.world_size=2",
-                                     "launch.trainer.nodes=2"),
+                                     "launch.trainer.nodes=2", "eval.mode=component", "eval.every_steps=4"),
                           capture_output=True, text=True, timeout=240, env=job_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     registry = json.loads((run / "jobs" / "registry.json").read_text())
-    assert set(registry) == {"trainer", "rollout-0"}
-    trainer, rollout = registry["trainer"]["job_id"], registry["rollout-0"]["job_id"]
-    assert trainer != rollout
-    jobs = sacct(trainer, rollout)
+    assert set(registry) == {"trainer", "rollout-0", "eval"}
+    trainer, rollout, evaluator = (registry[n]["job_id"] for n in ("trainer", "rollout-0", "eval"))
+    assert len({trainer, rollout, evaluator}) == 3
+    jobs = sacct(trainer, rollout, evaluator)
     assert jobs[trainer][:2] == ("hpcrl-trainer", "COMPLETED")
     assert jobs[trainer][2] == "node[1-2]"  # the trainer's 2 ranks, one task per node
     assert jobs[rollout][:2] == ("hpcrl-rollout-0", "COMPLETED")
+    assert jobs[evaluator][:2] == ("hpcrl-eval", "COMPLETED")
     assert (run / "logs" / "trainer-r1.log").exists()
     assert steps_done(run) == list(range(1, 9))
+    assert [r["step"] for r in read_evals(run / "logs")] == [0, 4, 8]  # from the evaluation job
     rep = audit(run)
     assert rep.ok, rep.violations
-    assert rep.trained_groups == 8 * 4
+    assert rep.trained_groups == 8 * 4 and rep.evaluations == 3
 
 
 def test_sbatch_het_job_runs_trainer_and_rollout_in_separate_het_groups(tmp_path, cache) -> None:

@@ -63,8 +63,10 @@ def greedy_accuracy(
     max_new_tokens: int = 8,
     batch_size: int = 256,
     chat_template: bool = False,
+    after_batch: Callable[[int], None] | None = None,
 ) -> EvalResult:
-    """Mean ``score`` of the greedy responses of ``model`` to ``rows``."""
+    """Mean ``score`` of the greedy responses of ``model`` to ``rows``; ``after_batch(rows_done)`` is called
+    after every batch (a heartbeat, a check for a stop request: whatever it raises ends the evaluation)."""
     if not rows:
         raise ValueError("rows: need at least one row to evaluate")
     if max_new_tokens < 1:
@@ -90,6 +92,8 @@ def greedy_accuracy(
                     total += s
                     if len(examples) < N_EXAMPLES:
                         examples.append((row.prompt, response, row.answer, s))
+                if after_batch is not None:
+                    after_batch(start + len(batch))
     finally:
         model.train(was_training)
     return EvalResult(accuracy=total / len(rows), n=len(rows), examples=examples)

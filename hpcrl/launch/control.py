@@ -45,7 +45,7 @@ from hpcrl import atomic
 from hpcrl.ckpt.store import committed
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.takeover import job_alive, kill_job, registry
-from hpcrl.metrics.writer import read_metrics
+from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.owner import RELEASED, current_epoch, epoch_file, owner_record
 
@@ -151,7 +151,7 @@ def progress(run_dir: Path, cfg: RunConfig) -> dict:
     records = read_metrics(run_dir / "logs" / "metrics.jsonl")
     steps = [r for r in records if "reward/mean" in r]
     last = steps[-1] if steps else {}
-    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    evals = read_evals(run_dir / "logs")
     ckpts = committed(run_dir / "ckpt")
     admission = run_dir / "admission"
     return {

@@ -28,7 +28,7 @@ shows it) -> ``cancel`` is ``scancel``.
 
 :class:`SrunScheduler` (``launch.scheduler=srun``) is for the whole run in one
 heterogeneous allocation (``sbatch/run_async_ppo.sh``): each component is a
-local ``srun --het-group=G`` process (trainer: group 0, rollouts: group 1).
+local ``srun --het-group=G`` process (trainer: group 0, rollouts and the evaluation component: group 1).
 
 Elastic rollout: ``python -m hpcrl.launch.slurm add-rollout --run-dir D
 --replica K`` submits one more rollout job to a running run (admission is
@@ -254,7 +254,7 @@ class SrunScheduler(LocalScheduler):
 
     def __init__(self, het_groups: dict[str, int] | None = None) -> None:
         super().__init__()
-        self.het_groups = het_groups or {"trainer": 0, "rollout": 1}
+        self.het_groups = het_groups or {"trainer": 0, "rollout": 1, "eval": 1}
         self._codes: dict[str, Path] = {}  # srun pid -> the folder its tasks write their codes to
 
     def submit(self, spec: ComponentSpec) -> str:

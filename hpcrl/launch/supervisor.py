@@ -8,8 +8,10 @@ local processes, a Slurm job per component, or srun steps of one
 allocation) -> submit each and record its job id in ``<run_dir>/jobs/``
 (a rejected submission cancels what was already submitted) -> loop: print a
 progress line from ``logs/metrics.jsonl``, check every job -> the run ends
-when the trainer ranks exit 0 after writing ``DONE`` (rollouts then exit by
-themselves, or are stopped after a grace period). A component that dies or
+when the trainer ranks exit 0 after writing ``DONE`` and, with
+``eval.mode: component``, the evaluation component exits 0 after recording
+the final version (rollouts exit by themselves once ``DONE`` is written, or
+are stopped after a grace period). A component that dies or
 hangs is cancelled and resubmitted by the watchdog
 (:mod:`hpcrl.watchdog.policy`); when its budget is spent the others are
 stopped and :class:`ComponentFailed` carries the failing log's tail.
@@ -55,7 +57,7 @@ from hpcrl.launch.finalize import finalize
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
 from hpcrl.launch.takeover import clean_temporaries, registry, start_ticks, take_over
-from hpcrl.metrics.writer import read_metrics
+from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.runtime.owner import ENV_EPOCH, ENV_INSTANCE, Fence, Owner, claim
 from hpcrl.spool.store import Spool
 from hpcrl.watchdog.policy import Decision, Watchdog
@@ -73,6 +75,18 @@ def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
 
 
 def _specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    return _trainer_rollout_specs(cfg, run_dir) + _eval_specs(cfg, run_dir)
+
+
+def _eval_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    """The evaluation component (``eval.mode: component``), with the resources of ``launch.eval``."""
+    if cfg.eval.mode != "component":
+        return []
+    return [ComponentSpec("eval", python_module("hpcrl.eval", "--run-dir", str(run_dir)),
+                          run_dir / "logs" / "eval.log", resources=cfg.launch.eval)]
+
+
+def _trainer_rollout_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     logs = run_dir / "logs"
     rd = ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
@@ -129,7 +143,8 @@ class Progress:
             return
         self._last_print, r = time.time(), records[-1]
         self._last_step = r.get("step", -1)
-        acc = next((x["eval/accuracy"] for x in reversed(records) if x.get("eval/accuracy") is not None), None)
+        evals = read_evals(self.path.parent)
+        acc = evals[-1]["eval/accuracy"] if evals else None
         log.info("step %d/%d | reward %s | held-out acc %s | staleness max %s | %s samples/s | %.0fs",
                  r.get("step", 0), self.total, _fmt(r.get("reward/mean")), _fmt(acc),
                  _fmt(r.get("staleness/max"), "{:.0f}"), _fmt(r.get("throughput/samples_per_s"), "{:.1f}"),
@@ -230,6 +245,11 @@ def _is_trainer(name: str) -> bool:
     return name.startswith(("trainer", "colocated"))
 
 
+def _must_finish(name: str) -> bool:
+    """Components the run waits for: the trainer, and the evaluation component (the final version's accuracy)."""
+    return _is_trainer(name) or name == "eval"
+
+
 def _heartbeat_name(name: str, spec: ComponentSpec) -> str:
     """The heartbeat of this job instance (a Slurm trainer job: rank 0 speaks for it)."""
     return f"{'trainer-r0' if name == 'trainer' else name}@{spec.env[ENV_INSTANCE]}"
@@ -268,12 +288,13 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
             raise RunCancelled(f"cancelled by {who}: every component checkpointed or was stopped")
         codes = {n: scheduler.poll(j) for n, (j, _) in jobs.items()}
         trainer_codes = [c for n, c in codes.items() if _is_trainer(n)]
-        if all(c == 0 for c in trainer_codes) and (run_dir / "DONE").exists():
+        done = (run_dir / "DONE").exists()
+        if done and all(c == 0 for n, c in codes.items() if _must_finish(n)):
             break
         beats = read_heartbeats(run_dir)
         for name, code in codes.items():
-            if code == 0 and (not _is_trainer(name) or None in trainer_codes):
-                continue  # a rank that finished first, or a rollout that saw DONE
+            if code == 0 and (not _is_trainer(name) or None in trainer_codes or done):
+                continue  # a rank that finished first, a rollout that saw DONE, a finished trainer (eval goes on)
             code = 1 if code == 0 else code  # every trainer rank exited 0 but nobody wrote DONE
             beat = beats.get(_heartbeat_name(name, jobs[name][1]), {})
             decision = watchdog.assess(name, code, beat.get("time"))

@@ -57,7 +57,7 @@ from hpcrl.trainer.batch import informative_filter, to_sequences
 from hpcrl.trainer.feed import BatchFeed
 from hpcrl.trainer.engine import TrainEngine, build_train_engine
 from hpcrl.trainer.report import Reporter
-from hpcrl.weights.transport import DiskWeights, open_transport
+from hpcrl.weights.transport import WEIGHTS_FILE, DiskWeights, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         tokenizer=tokenizer, eval_rows=eval_rows, score=scorer(runner),
-                        max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
+                        max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template,
+                        instance=fence.instance if fence else "", fence=fence)
     return feed, reporter, runner
 
 
@@ -210,6 +211,8 @@ def _run(run_dir: Path) -> None:
         feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
     weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence) if ctx.is_main  # only rank 0 publishes
                else DiskWeights(run_dir / "weights", cfg.weights))
+    if reporter and isinstance(weights, DiskWeights):
+        reporter.published = lambda version: weights.version_dir(version) / WEIGHTS_FILE
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
 

@@ -21,13 +21,19 @@ counters kept in it (:meth:`Reporter.counters` / :meth:`Reporter.restore`):
 A resumed leg evaluates nothing at its start: the initial policy is not the
 one being trained any more, and the next due step evaluates the trained
 weights (the checkpoint's own step was evaluated if it was due).
+
+With ``eval.mode: component`` the reporter evaluates nothing and loads no
+model: at a due step it hands the version over to the evaluation component
+as a snapshot (:mod:`hpcrl.eval.snapshots`; ``time/snapshot_s`` in the
+step's record) and goes on; the accuracy arrives in ``logs/eval.jsonl``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -35,8 +41,10 @@ import torch
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.eval.config import EvalConfig
+from hpcrl.eval.snapshots import Snapshots
 from hpcrl.metrics.writer import MetricsWriter
 from hpcrl.model.hf_io import load_model
+from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.spool.format import TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -60,10 +68,16 @@ def group_stats(groups: list[TrajectoryGroup], version: int) -> dict[str, float]
 
 class Reporter:
     def __init__(self, log_dir, eval_cfg: EvalConfig, total_steps: int, *, model_path: str, tokenizer,
-                 eval_rows: list[Row], score, max_new_tokens: int, chat_template: bool = False) -> None:
+                 eval_rows: list[Row], score, max_new_tokens: int, chat_template: bool = False,
+                 instance: str = "", fence: Fence | NoFence | None = None) -> None:
         self.writer = MetricsWriter(log_dir)
         self.cfg, self.total_steps = eval_cfg, total_steps
-        self.model = load_model(model_path)
+        component = eval_cfg.mode == "component"
+        self.model = None if component else load_model(model_path)
+        self.snapshots = Snapshots(Path(log_dir).parent / "eval" / "pending") if component else None
+        self.instance, self.fence = instance, fence or NoFence()
+        # version -> its published model.safetensors (disk weights: the snapshot links it instead of a copy)
+        self.published: Callable[[int], Path | None] = lambda version: None
         self.tokenizer, self.rows, self.score = tokenizer, eval_rows[: eval_cfg.size], score
         self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
         self.t0 = time.time()  # this leg's process start
@@ -99,7 +113,7 @@ class Reporter:
 
     def start(self, version: int) -> None:
         """The training loop begins at ``version`` (0 for a new run, the checkpoint's step for a resumed leg)."""
-        if self.cfg.at_start and version == 0:
+        if self.cfg.at_start and version == 0 and self.snapshots is None:
             t = time.time()
             acc = self.evaluate(None)
             self.write({"step": version, "eval/accuracy": acc, "time/eval_s": time.time() - t})
@@ -112,8 +126,7 @@ class Reporter:
             self.run_started = self.t0
 
     def due(self, step: int) -> bool:
-        every = self.cfg.every_steps
-        return step == self.total_steps or (every > 0 and step % every == 0)
+        return self.cfg.due(step, self.total_steps)
 
     def step(self, step: int, groups: list[TrajectoryGroup], stats: dict[str, float], timings: dict[str, float],
              state_dict: Mapping[str, torch.Tensor] | None, extra: dict[str, float]) -> None:
@@ -126,7 +139,12 @@ class Reporter:
         record.update({"leg": self.leg, "time/leg_s": leg_s, "time/train_s": train_s,
                        "throughput/samples_per_s": self.samples_total / max(train_s, 1e-9),
                        "throughput/leg_samples_per_s": self.leg_samples / max(leg_s, 1e-9)})
-        if self.due(step) and state_dict is not None:
+        if self.due(step) and state_dict is not None and self.snapshots is not None:
+            t = time.time()
+            elapsed = time.time() - (self.run_started or self.t0)
+            self.snapshots.put(step, state_dict, self.instance, elapsed, self.published(step), self.fence)
+            record["time/snapshot_s"] = time.time() - t
+        elif self.due(step) and state_dict is not None:
             t = time.time()
             record["eval/accuracy"] = self.evaluate(state_dict)
             record["time/eval_s"] = time.time() - t

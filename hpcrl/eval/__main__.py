@@ -1,0 +1,3 @@
+from hpcrl.eval.main import main
+
+main()
