@@ -124,3 +124,32 @@ def test_a_restarted_evaluation_records_each_snapshot_once(run, tmp_path) -> Non
     rep = audit(work)
     assert rep.ok and rep.evaluations == 5, rep.violations
     assert read_evals(work / "logs")[-1]["eval/snapshot"] == todo.id  # the last record of a step stands
+
+
+def test_a_resume_with_evaluation_in_the_trainer_evaluates_what_the_component_left(run, tmp_path) -> None:
+    """eval.* may change on --resume: snapshots a component never got to are evaluated by the trainer."""
+    from hpcrl.eval.config import EvalConfig
+    from hpcrl.model.hf_io import load_tokenizer
+    from hpcrl.prepare import load_datasets, load_prepared, scorer
+    from hpcrl.reward.runner import RewardRunner
+    from hpcrl.trainer.report import Reporter
+
+    work = tmp_path / "run"
+    shutil.copytree(run, work, symlinks=True)
+    snaps = Snapshots(work / "eval" / "pending")
+    left = snaps.put(8, None, "unevaluated", 3.0, work / "weights" / "v000008" / "model.safetensors")
+    cfg, prep = load_saved(work), load_prepared(work)
+    tokenizer = load_tokenizer(prep.init_model)
+    _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    runner = RewardRunner(cfg.reward)
+    reporter = Reporter(work / "logs", EvalConfig(every_steps=4, size=40), 8, model_path=prep.init_model,
+                        tokenizer=tokenizer, eval_rows=rows, score=scorer(runner), max_new_tokens=4)
+    try:
+        reporter.start(8)
+    finally:
+        reporter.close()
+        runner.close()
+    record = read_metrics(work / "logs" / "metrics.jsonl")[-1]
+    assert record["eval/snapshot"] == left.id and record["step"] == 8
+    assert record["eval/accuracy"] == pytest.approx(published_accuracy(work, 8), abs=1e-9)
+    assert snaps.pending() == []

@@ -5,8 +5,9 @@ rank ever waits for it. The trainer's rank 0 hands each due version over as
 a snapshot (:mod:`hpcrl.eval.snapshots`); this process evaluates them in
 version order and appends one record per snapshot to ``logs/eval.jsonl``
 (and TensorBoard) with the keys the trainer would have written (``step``,
-``eval/accuracy``, ``time/eval_s``, ``time/elapsed_s``) plus ``eval/n`` and
-``eval/snapshot``.
+``eval/accuracy``, ``time/eval_s``, ``time/elapsed_s``) plus ``eval/n``,
+``eval/snapshot`` and ``eval/lag_s`` (seconds from the hand-over to the
+record: how far the evaluation trails the trainer).
 
 Lifecycle: read ``config.yaml`` and ``prepared.json`` -> load the initial
 model, the tokenizer and the held-out rows -> evaluate the initial policy
@@ -57,6 +58,7 @@ class Evaluator:
         prep = load_prepared(run_dir)
         self.run_dir, self.cfg, self.fence, self.heartbeat, self.preempt = run_dir, cfg, fence, heartbeat, preempt
         self.snapshots = Snapshots(run_dir / "eval" / "pending")
+        self.snapshots.clean_tmp(older_than_s=3600)  # a put takes seconds: an hour-old temporary has no writer
         self.log = EvalLog(run_dir / "logs")
         self.tokenizer = load_tokenizer(prep.init_model)
         self.device = detect("auto").device()
@@ -86,7 +88,8 @@ class Evaluator:
                               chat_template=self.cfg.data.chat_template, after_batch=self._after_batch)
         self.log.append({"step": version, "eval/accuracy": res.accuracy, "eval/n": res.n,
                          "time/eval_s": time.time() - t, "time/elapsed_s": snap.elapsed_s if snap else 0.0,
-                         "eval/snapshot": ident}, self.fence)
+                         "eval/snapshot": ident, **({"eval/lag_s": time.time() - snap.put_at} if snap else {})},
+                        self.fence)
         self.evaluated += 1
         log.info("step %d: held-out greedy accuracy %.3f (%s, %.1fs)", version, res.accuracy, ident, time.time() - t)
 

@@ -31,13 +31,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcrl import atomic
 from hpcrl.runtime.owner import Fence, NoFence
-from hpcrl.weights.version import WEIGHTS_FILE
+from hpcrl.weights.config import WEIGHTS_FILE
+
+if TYPE_CHECKING:  # torch only where a snapshot is written: the supervisor and the audit read these files too
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Snapshot:
     instance: str  # the trainer instance that published these weights
     path: Path  # the snapshot directory
     elapsed_s: float  # the trainer's time/elapsed_s when it published the version
+    put_at: float = 0.0  # unix time the snapshot appeared
 
     @property
     def id(self) -> str:
@@ -75,7 +77,8 @@ class Snapshots:
         from hpcrl.weights.version import storable_tensors
 
         self.root.mkdir(parents=True, exist_ok=True)
-        snap = Snapshot(version, instance or "local", self.root / f"v{version:06d}-{instance or 'local'}", elapsed_s)
+        snap = Snapshot(version, instance or "local", self.root / f"v{version:06d}-{instance or 'local'}", elapsed_s,
+                        time.time())
         if snap.path.exists():
             return snap  # this instance put it already (a retried step)
         with atomic.directory(snap.path) as tmp:
@@ -91,7 +94,7 @@ class Snapshots:
                     raise ValueError(f"version {version}: neither a published file nor a state dict to snapshot")
                 save_file(storable_tensors(state_dict), str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
             atomic.write_json(tmp / _META, {"version": version, "instance": snap.instance, "elapsed_s": elapsed_s,
-                                            "time": time.time(), "linked": linked})
+                                            "time": snap.put_at, "linked": linked})
             (fence or NoFence()).check(f"evaluation snapshot of version {version}")
         return snap
 
@@ -102,19 +105,26 @@ class Snapshots:
             if atomic.is_temporary(d.name) or not (d / _META).is_file():
                 continue
             meta = atomic.read_json(d / _META)
-            out.append((meta.get("time", 0.0), Snapshot(int(meta["version"]), str(meta["instance"]), d,
-                                                         float(meta.get("elapsed_s", 0.0)))))
-        return [s for _, s in sorted(out, key=lambda x: (x[1].version, x[0]))]
+            out.append(Snapshot(int(meta["version"]), str(meta["instance"]), d, float(meta.get("elapsed_s", 0.0)),
+                                float(meta.get("time", 0.0))))
+        return sorted(out, key=lambda s: (s.version, s.put_at))
 
     def remove(self, snap: Snapshot) -> None:
         shutil.rmtree(snap.path, ignore_errors=True)
 
-    def clean_tmp(self) -> None:
-        """Half-written snapshots of a trainer that died while putting one (call only while no trainer runs,
-        or for temporaries old enough that no live put can own them)."""
+    def clean_tmp(self, older_than_s: float = 0.0) -> int:
+        """Remove half-written snapshots of trainers that died while putting one: all of them while no trainer
+        runs (``older_than_s`` 0), else those old enough that no live put can own them; how many."""
+        removed = 0
         for d in self.root.glob("*"):
-            if atomic.is_temporary(d.name):
+            try:
+                old = time.time() - d.stat().st_mtime >= older_than_s
+            except FileNotFoundError:
+                continue
+            if atomic.is_temporary(d.name) and old:
                 shutil.rmtree(d, ignore_errors=True)
+                removed += 1
+        return removed
 
 
 class EvalLog:

@@ -42,6 +42,7 @@ from pathlib import Path
 from hpcrl.atomic import TMP_MARK
 from hpcrl.config import RunConfig
 from hpcrl.runtime.owner import owner_record
+from hpcrl.eval.snapshots import Snapshots
 from hpcrl.spool.store import Spool
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
 def clean_temporaries(run_dir: Path) -> dict[str, int]:
     """Remove what writers that no longer run left half-done; only call it while no component runs."""
     counts = {"spool": Spool(run_dir / "spool").clean_tmp(older_than_s=0), "weights": 0, "ckpt": 0,
-              "heartbeats": 0}
+              "heartbeats": 0, "eval": Snapshots(run_dir / "eval" / "pending").clean_tmp()}
     for sub, pattern in (("weights", f"v*{TMP_MARK}*"), ("ckpt", "step_*.tmp*")):
         for p in (run_dir / sub).glob(pattern):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

@@ -121,9 +121,34 @@ class Reporter:
         elif version > 0:
             log.info("leg %d resumes at step %d (%.0f samples and %.0fs of training before it)", self.leg, version,
                      self.samples_total, self.train_before)
+        if self.snapshots is None:
+            self.evaluate_left_over()
         self.loop_start = time.time()
         if self.run_started is None:
             self.run_started = self.t0
+
+    def evaluate_left_over(self) -> None:
+        """A run resumed with ``eval.mode: trainer`` after legs with ``component``: evaluate here what the
+        evaluation component had not recorded yet, so no due version goes unevaluated."""
+        from safetensors.torch import load_file
+
+        from hpcrl.eval.snapshots import EvalLog
+
+        pending = Snapshots(self.writer.log_dir.parent / "eval" / "pending")
+        left = pending.pending()
+        if not left:
+            return
+        recorded = EvalLog(self.writer.log_dir, tensorboard=False)
+        recorded.close()
+        for snap in left:
+            if not recorded.recorded(snap.id):
+                t = time.time()
+                acc = self.evaluate(load_file(str(snap.weights)))
+                self.write({"step": snap.version, "eval/accuracy": acc, "time/eval_s": time.time() - t,
+                            "eval/snapshot": snap.id, "time/elapsed_s": snap.elapsed_s})
+                log.info("step %d: held-out greedy accuracy %.3f (left over by the evaluation component)",
+                         snap.version, acc)
+            pending.remove(snap)
 
     def due(self, step: int) -> bool:
         return self.cfg.due(step, self.total_steps)

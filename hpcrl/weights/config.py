@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+WEIGHTS_FILE = "model.safetensors"  # one published version's tensors, HuggingFace names
+
 
 @dataclass
 class WeightsConfig:

@@ -26,8 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
-
-WEIGHTS_FILE = "model.safetensors"
+from hpcrl.weights.config import WEIGHTS_FILE  # noqa: F401 (re-exported)
 
 
 def aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
