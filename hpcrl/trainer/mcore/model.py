@@ -1,0 +1,160 @@
+"""A HuggingFace causal LM as a megatron-core GPTModel on tensor- and pipeline-parallel ranks.
+
+Lifecycle, every call collective over the trainer's ranks: :func:`init_parallel`
+(once per process, after ``torch.distributed`` is up: megatron-core's
+parallel groups, and on a machine without CUDA the redirection of
+:mod:`hpcrl.trainer.mcore.cpu`) -> :func:`build` (this rank's GPTModel with
+the HF model's weights, its stage's layers and its TP slices) ->
+:func:`forward_logits` (one pipeline pass over a padded batch) ->
+:func:`gather_hf` (the full weights under HF names on rank 0, for
+publication and HF export).
+
+The layer spec is megatron-core's local one (no Transformer Engine), so the
+same model runs on CUDA, on Ascend through torch-npu, and on the CPU over
+gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.trainer.mcore import convert, cpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: TP rank of ``tp``, pipeline stage of ``pp``, data-parallel rank of ``dp``."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    stage: int
+    dp_rank: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Layout:
+    """megatron-core's model-parallel groups over the current process group (world = tp * pp * dp)."""
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"trainer.world_size={world}: must be a multiple of tensor_parallel x pipeline_parallel "
+                         f"= {tp} x {pp}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if not cpu.apply(seed):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Layout(tp, pp, world // (tp * pp), ps.get_tensor_model_parallel_rank(),
+                  ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+
+
+def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.float32, pad_vocab_to: int = 1,
+          hf_state: dict[str, torch.Tensor] | None = None):
+    """This rank's GPTModel (its stage, its TP slices) with the weights of the HF model at ``model_path``
+    (``hf_state``: weights to use instead, e.g. a published version)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+    config = convert.transformer_config(hf_config, layout.tp, layout.pp, dtype)
+    spec = get_gpt_layer_local_spec(qk_layernorm=convert.has_qk_norm(hf_config), normalization="RMSNorm")
+    with cpu.building():
+        model = GPTModel(config, transformer_layer_spec=spec, pre_process=layout.first_stage,
+                         post_process=layout.last_stage, parallel_output=False,
+                         **convert.model_kwargs(hf_config, layout.tp, pad_vocab_to))
+    if hf_state is None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_path}: no *.safetensors weights to convert")
+        hf_state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    load_hf(model, hf_state, hf_config, layout, pad_vocab_to)
+    model.hf_config = hf_config
+    model.pad_vocab_to = pad_vocab_to
+    return model
+
+
+def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config: Any, layout: Layout,
+            pad_vocab_to: int = 1) -> None:
+    """Put HF weights into this rank's GPTModel; every parameter must be covered."""
+    if "lm_head.weight" not in hf_state and not getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError("untied model without lm_head.weight")
+    state = convert.hf_to_mcore(hf_state, hf_config, layout.tp, layout.tp_rank, layout.pp, layout.stage,
+                                pad_vocab_to)
+    params = dict(model.state_dict())
+    state = {k: v.to(params[k].dtype) for k, v in state.items() if k in params}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"HF -> megatron weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _pp_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """Forward through the stages: each stage receives the previous one's hidden states and sends its own on;
+    the last stage returns the logits (others None)."""
+    from megatron.core import parallel_state as ps
+
+    b, s = input_ids.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = cpu.causal_mask(s)
+    if layout.pp == 1:
+        return model(input_ids, positions, attention_mask=mask)
+    hidden = model.config.hidden_size
+    if not layout.first_stage:
+        recv = torch.empty(s, b, hidden, dtype=model.config.params_dtype)
+        dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(recv)
+    out = model(input_ids if layout.first_stage else None, positions, attention_mask=mask)
+    if not layout.last_stage:
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+@torch.no_grad()
+def forward_logits(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """Full-vocabulary logits ``[batch, seq, vocab]`` of the HF model's vocabulary on the last stage (None on
+    the others), for a batch every rank of the model-parallel group passes identically."""
+    out = _pp_forward(model, input_ids, layout)
+    if out is None:
+        return None
+    return out[..., : model.hf_config.vocab_size]
+
+
+def gather_hf(model, layout: Layout) -> dict[str, torch.Tensor]:
+    """The full weights under HF names on global rank 0 ({} elsewhere): every TP slice of every stage is
+    gathered there (data-parallel replicas hold the same weights: the first replica's are used)."""
+    mine = {k: v.detach().cpu() for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    box: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    payload = (layout.dp_rank, layout.stage, layout.tp_rank, mine) if layout.dp_rank == 0 else None
+    dist.gather_object(payload, box, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    shards: list[list[dict]] = [[{} for _ in range(layout.tp)] for _ in range(layout.pp)]
+    for item in box:
+        if item is not None:
+            _, stage, tp_rank, sd = item
+            shards[stage][tp_rank] = sd
+    return convert.mcore_to_hf(shards, model.hf_config)
