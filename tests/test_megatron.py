@@ -90,3 +90,68 @@ def test_a_parallel_gpt_model_computes_the_hf_logits_and_gathers_the_hf_weights(
     assert len(last) == tp and all(r["max_abs_diff"] < 1e-5 for r in last), results
     assert all("max_abs_diff" not in r for r in results if r["stage"] != pp - 1)  # logits on the last stage only
     assert results[0]["names_differ"] == [] and results[0]["unequal"] == [], results[0]
+
+
+def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens) -> None:
+    """Two steps of the default objective with SGD (linear in the gradient, so a wrong loss or gradient scale
+    shows), then the HF weights and the step statistics on rank 0."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from test_trainer import make_groups
+
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer import batch as B
+    from hpcrl.trainer.config import MegatronSettings, TrainerConfig
+    from hpcrl.trainer.engine import build_train_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(engine=engine_name, world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
+                        micro_batch_tokens=micro_tokens, n_minibatches=2, grad_clip=0.5,
+                        megatron=MegatronSettings(tensor_parallel=tp))
+    engine = build_train_engine(engine_name, model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=0.5)
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
+    seqs, _ = B.to_sequences(make_groups(n_groups=6, group_size=4), AlgoConfig())
+    stats = [engine.train_step(seqs) for _ in range(2)]
+    state = engine.full_state_dict()
+    if rank == 0:
+        torch.save({"weights": {k: v.detach().cpu().clone() for k, v in state.items()}, "stats": stats}, out)
+    torch.distributed.destroy_process_group()
+
+
+def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000) -> dict:
+    import multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_train_rank, args=(r, world, port, model_path, out, engine_name, tp, micro_tokens))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("world,tp,micro_tokens", [(1, 1, 100_000), (2, 2, 32), (2, 1, 32)],
+                         ids=["1 rank", "TP=2", "DP=2 many micro-batches"])
+def test_megatron_steps_equal_the_fsdp_engine(tmp_path, world, tp, micro_tokens) -> None:
+    """Two steps (2 minibatches each, gradient clipping active) on the same batch give the weights and the loss
+    of the FSDP2 engine on 1 rank, within float32 rounding."""
+    model_path = tmp_path / "model"
+    model = qwen3(tied=True, kv_heads=2, layers=2, vocab=40)
+    model.config.pad_token_id = 0
+    model.save_pretrained(model_path)
+    ref = _train(1, model_path, tmp_path / "fsdp.pt", "fsdp")
+    got = _train(world, model_path, tmp_path / "megatron.pt", "megatron", tp, micro_tokens)
+    w0 = model.state_dict()
+    assert max((ref["weights"][k] - w0[k]).abs().max().item() for k in w0) > 1e-3  # the steps moved the weights
+    assert got["weights"].keys() == ref["weights"].keys()
+    for k in ref["weights"]:
+        torch.testing.assert_close(got["weights"][k], ref["weights"][k], atol=2e-5, rtol=1e-4)
+    # loss and gradient norm are global; token means such as the clip fraction are of rank 0's own tokens
+    keys = ("loss/value", "grad/norm") + (("loss/clip_fraction",) if world == tp else ())
+    for a, b in zip(got["stats"], ref["stats"]):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

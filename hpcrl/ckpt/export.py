@@ -22,6 +22,9 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
     from hpcrl.model.hf_io import load_model, load_tokenizer, save_model
 
     model, scalings = load_model(base_model), None
+    if is_megatron(ckpt):
+        model.load_state_dict(megatron_weights(ckpt, model.config), strict=False)
+        return save_model(model, load_tokenizer(base_model), out)
     if has_adapters(ckpt):
         from hpcrl.trainer.lora import apply_lora
 
@@ -35,6 +38,29 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
 
             unload_merged(model, scalings)
     return save_model(model, load_tokenizer(base_model), out)
+
+
+def is_megatron(ckpt: Path) -> bool:
+    """Whether the checkpoint was saved by the megatron engine (its weights are per-TP-rank slices)."""
+    return any(k.startswith("model.tp") and "/" in k for k in saved_keys(ckpt))
+
+
+def megatron_weights(ckpt: Path, hf_config) -> dict[str, torch.Tensor]:
+    """HF-named weights from a megatron engine checkpoint: every TP rank's slices, merged
+    (:func:`hpcrl.trainer.mcore.convert.mcore_to_hf`)."""
+    from hpcrl.trainer.mcore.convert import mcore_to_hf
+
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    keys = [k for k in meta if k.startswith("model.tp")]
+    state = {"model": {k[len("model."):]: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
+                       for k in keys}}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    tp = int(keys[0][len("model.tp"):].split(".")[0])
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for key, t in state["model"].items():
+        layout, name = key.split("/", 1)
+        shards[int(layout.split(".")[1])][name] = t
+    return mcore_to_hf([shards], hf_config)
 
 
 def saved_keys(ckpt: Path) -> list[str]:

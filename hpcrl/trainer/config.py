@@ -27,8 +27,24 @@ class LoraSettings:
 
 
 @dataclass
+class MegatronSettings:
+    """``trainer.megatron``: the parallel layout of ``trainer.engine: megatron``; ``trainer.world_size`` =
+    tensor_parallel x pipeline_parallel x data parallel."""
+
+    tensor_parallel: int = 1  # ranks a layer's weights are split across (must divide the key/value heads)
+    pipeline_parallel: int = 1  # stages the layers are split into (training with more than 1: not built yet)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
 class TrainerConfig:
-    engine: Literal["fsdp"] = "fsdp"  # training backend (hpcrl.trainer.engine): fsdp = FSDP2 over all ranks
+    # training backend (hpcrl.trainer.engine): fsdp = FSDP2 over all ranks; megatron = megatron-core GPTModel,
+    # tensor parallel x data parallel (trainer.megatron; docs/trainer.md#megatron-core)
+    engine: Literal["fsdp", "megatron"] = "fsdp"
     world_size: int = 1  # trainer ranks (processes); FSDP2 shards parameters across them
     total_steps: int = 100  # training steps; the policy version after the run equals this
     lr: float = 1e-4  # peak learning rate (AdamW)
@@ -45,6 +61,7 @@ class TrainerConfig:
     # critic): activation memory of a layer's inputs only, for about one more forward pass of compute
     activation_checkpointing: bool = False
     lora: LoraSettings = field(default_factory=LoraSettings)  # LoRA adapters (PEFT) instead of full fine-tuning
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)  # engine=megatron: its parallel layout
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
     batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
     # retention, applied after every checkpoint: the data of the newest this many set-aside (stale, lost,
@@ -65,5 +82,9 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens: must be >= 16, got {self.micro_batch_tokens}")
         if self.keep_dropped_files < 0:
             raise ValueError(f"keep_dropped_files: must be >= 0, got {self.keep_dropped_files}")
+        parallel = self.megatron.tensor_parallel * self.megatron.pipeline_parallel
+        if self.engine == "megatron" and self.world_size % parallel:
+            raise ValueError(f"world_size: {self.world_size} is not a multiple of megatron.tensor_parallel x "
+                             f"megatron.pipeline_parallel = {parallel}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")

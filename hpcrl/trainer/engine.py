@@ -1,7 +1,8 @@
 """The train-engine boundary of the trainer component (DESIGN 3.4).
 
-One seam for every training backend: FSDP2 today (:mod:`hpcrl.trainer.fsdp`),
-tensor/pipeline-parallel engines next. The trainer loop
+One seam for every training backend: FSDP2 (:mod:`hpcrl.trainer.fsdp`) and
+megatron-core (:mod:`hpcrl.trainer.mcore.engine`, tensor x data parallel).
+Both share the algorithm of a step (:class:`hpcrl.trainer.policy.PolicyTrainer`). The trainer loop
 (:func:`hpcrl.trainer.main.train_loop`), the checkpointer
 (:class:`hpcrl.ckpt.trainer_ckpt.Checkpointer`), colocated mode and the
 weight transports use an engine only through :class:`TrainEngine`; none of
@@ -47,7 +48,7 @@ from hpcrl.trainer.config import TrainerConfig
 __all__ = ["ENGINES", "TrainEngine", "build_train_engine"]
 
 # trainer.engine -> "module:class"; imported on use, so a backend's dependencies load only where it runs
-ENGINES = {"fsdp": "hpcrl.trainer.fsdp:FSDPEngine"}
+ENGINES = {"fsdp": "hpcrl.trainer.fsdp:FSDPEngine", "megatron": "hpcrl.trainer.mcore.engine:MegatronEngine"}
 
 @runtime_checkable
 class TrainEngine(Protocol):

@@ -1,0 +1,172 @@
+"""The megatron-core train engine (``trainer.engine: megatron``): one instance per trainer rank.
+
+Lifecycle: megatron-core's parallel groups over the trainer's ranks
+(``trainer.megatron.tensor_parallel`` x data parallel; on a machine without
+CUDA the redirection of :mod:`hpcrl.trainer.mcore.cpu`) -> this rank's
+GPTModel from the HF folder (:mod:`hpcrl.trainer.mcore.model`), torch AdamW
+over its local parameters and the LR schedule; a frozen reference GPTModel
+when a KL term is on -> per step :meth:`train_step`, the algorithm every
+engine shares (:class:`hpcrl.trainer.policy.PolicyTrainer`): the ranks of one
+tensor-parallel group see the same micro-batches, the data-parallel ranks
+different ones -> :meth:`full_state_dict` gathers the HF-named weights on
+rank 0 for publication -> checkpoints: every rank's own slices of the model
+and of AdamW's state, under names that carry its TP rank, for DCP.
+
+Gradients, after the backward passes of a minibatch and before the step
+(what megatron-core's ``finalize_model_grads`` does for its own DDP): the
+q/k layer-norm weights, which each TP rank applies to its own heads only,
+are summed over the TP group; every gradient is averaged over the
+data-parallel group (each micro-batch loss was multiplied by its size);
+the norm counts each tensor-parallel slice once and each replicated
+parameter once. So one step equals the FSDP2 engine's step on the same batch
+(``tests/test_megatron.py``).
+
+Not yet: pipeline parallelism in training (the model side has it: a forward
+through the stages and the gathering of weights), a critic (GAE), LoRA and
+bfloat16; each is refused by name. A checkpoint reloads onto the same
+tensor-parallel size only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.algo import token_entropy
+from hpcrl.algo.config import AlgoConfig
+from hpcrl.algo.losses import token_logprobs
+from hpcrl.runtime.dist import DistContext
+from hpcrl.trainer import batch as B
+from hpcrl.trainer.config import TrainerConfig
+from hpcrl.trainer.mcore import cpu
+from hpcrl.trainer.mcore import model as M
+from hpcrl.trainer.policy import PolicyTrainer, lr_factor
+
+log = logging.getLogger(__name__)
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class MegatronEngine(PolicyTrainer):
+    """megatron-core implementation of :class:`hpcrl.trainer.engine.TrainEngine`."""
+
+    def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
+                 pad_id: int, dtype: torch.dtype = torch.float32) -> None:
+        settings = cfg.megatron
+        for refused, why in ((settings.pipeline_parallel > 1, "trainer.megatron.pipeline_parallel > 1: pipeline-"
+                              "parallel training is not built yet (set it to 1)"),
+                             (algo.adv_estimator == "gae", "algo.adv_estimator=gae: the megatron engine has no "
+                              "critic yet (use trainer.engine=fsdp)"),
+                             (cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
+                             (dtype != torch.float32, f"model.dtype={dtype}: the megatron engine trains in "
+                              "float32 only so far"),
+                             (cfg.activation_checkpointing, "trainer.activation_checkpointing: not built for the "
+                              "megatron engine yet")):
+            if refused:
+                raise ValueError(why)
+        self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
+        self.layout = M.init_parallel(settings.tensor_parallel, settings.pipeline_parallel)
+        from megatron.core import parallel_state as ps
+
+        self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp, ps.get_data_parallel_group()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.model = M.build(model_path, self.layout, torch.float32)
+        self._names = {p: n for n, p in self.model.named_parameters()}
+        self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.version = 0
+        self.ref_model = None
+        if algo.needs_reference:
+            self.ref_model = M.build(model_path, self.layout, torch.float32).eval()
+            self.ref_model.requires_grad_(False)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        log.info("megatron engine: TP %d x DP %d (this rank: TP rank %d, DP rank %d)", self.layout.tp,
+                 self.layout.dp, self.layout.tp_rank, self.layout.dp_rank)
+
+    # -- the model side of PolicyTrainer ----------------------------------------
+    def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
+                 entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = model or self.model
+        ids = mb.input_ids
+        b, s = ids.shape
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        out = model(ids, positions, attention_mask=cpu.causal_mask(s))  # right padding: causal is enough
+        logits = out[:, :-1, : model.hf_config.vocab_size].float()
+        logp = token_logprobs(logits, mb.targets, self.algo.temperature)
+        if entropy is None:
+            return logp, None
+        return logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)
+
+    def _values(self, mb: B.MicroBatch) -> torch.Tensor:
+        raise NotImplementedError("the megatron engine has no critic")
+
+    def _grad_scale(self) -> int:
+        return self.dp_size  # gradients are averaged over the data-parallel group in _clip
+
+    def _clip(self, model: torch.nn.Module) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        if self.layout.tp > 1:  # each TP rank normalised its own heads' q/k: the weight's gradient is the sum
+            for p in params:
+                if "q_layernorm" in self._names[p] or "k_layernorm" in self._names[p]:
+                    dist.all_reduce(p.grad, group=self.tp_group)
+        if self.dp_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(self.dp_size)
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.double().pow(2).sum()
+        if self.layout.tp > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt().item())
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        coef = min(max_norm / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    # -- weights and checkpoints ---------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on rank 0 (empty elsewhere); every rank must call it."""
+        return M.gather_hf(self.model, self.layout)
+
+    def _key(self, name: str) -> str:
+        return f"tp{self.layout.tp}.{self.layout.tp_rank}/{name}"
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's slices of the model and of AdamW's moments under names that carry its TP rank (data-
+        parallel replicas hold the same ones), so DCP stores each slice once and loads it in place."""
+        model = {self._key(n): p.detach() for n, p in self.model.named_parameters()}  # loaded in place
+        optim: dict[str, Any] = {}
+        for p, name in self._names.items():
+            state = self.optimizer.state[p]
+            if not state:  # before the first step: the zeros AdamW would start from, so a load has targets
+                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                             step=torch.tensor(0.0))
+            for k in _ADAM_KEYS:
+                optim[f"{self._key(name)}/{k}"] = state[k]
+        return {"model": model, "optim": optim}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Apply what DCP loaded in place (:meth:`checkpoint_state`'s tensors are this engine's own: the model's
+        parameters were written directly; the optimizer's moments are its state's tensors)."""
+        if "model" in state:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    src = state["model"][self._key(n)]
+                    if src.data_ptr() != p.data_ptr():
+                        p.copy_(src)
+        if "optim" in state:
+            for p, name in self._names.items():
+                self.optimizer.state[p].update({k: state["optim"][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})
