@@ -7,15 +7,14 @@ normalise it away) and compares the policy and critic weights.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 
 import pytest
+from spawn_ranks import spawn_ranks
 import torch
 
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.runtime.dist import free_port
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 
@@ -81,15 +80,7 @@ def _rank(rank: int, world: int, port: int, model_path, out_dir, micro_tokens: i
 
 def _run(world: int, model_path, out_dir, micro_tokens: int) -> None:
     out_dir.mkdir()
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_path, out_dir, micro_tokens))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
+    spawn_ranks(_rank, world, model_path, out_dir, micro_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -121,16 +121,9 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
 
 
 def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000) -> dict:
-    import multiprocessing as mp
+    from spawn_ranks import spawn_ranks
 
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_train_rank, args=(r, world, port, model_path, out, engine_name, tp, micro_tokens))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
+    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens)
     return torch.load(out)
 
 
