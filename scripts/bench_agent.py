@@ -30,6 +30,7 @@ from pathlib import Path
 from _bench import ROOT, submit
 
 sys.path.insert(0, str(ROOT))
+from hpcrl.metrics.writer import read_evals  # noqa: E402
 from hpcrl.spool.format import read_group  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def window_stats(samples: list) -> dict:
 
 def report(run_dir: Path, window: int) -> dict:
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+    evals = [(r["step"], r["eval/accuracy"]) for r in read_evals(run_dir / "logs")]
     steps = [r for r in records if "reward/mean" in r]
     by_step: dict[int, list] = {}
     statuses: Counter = Counter()

@@ -43,6 +43,9 @@ from pathlib import Path
 
 from _bench import ROOT, pyplot, submit
 
+sys.path.insert(0, str(ROOT))
+from hpcrl.metrics.writer import read_evals  # noqa: E402
+
 TASK = ["data.synthetic=reverse", "rollout.max_new_tokens=26", "sft.target_accuracy=0.2", "eval.at_start=false",
         "eval.every_steps=0", "eval.size=100"]
 MODES = {
@@ -103,7 +106,7 @@ def analyse(run_dir: Path) -> dict:
            "trainer_busy": (tot["train"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
            "commit_share": tot["commit"] / loop, "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
-           "final_accuracy": next((r["eval/accuracy"] for r in reversed(records) if "eval/accuracy" in r), None),
+           "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),
            "reward_mean": sum(r["reward/mean"] for r in steps) / len(steps)}
     stats_file = run_dir / "logs" / "rollout-0.stats.json"
     if stats_file.exists():

@@ -62,6 +62,9 @@ from pathlib import Path
 
 from _bench import ROOT, pyplot, submit
 
+sys.path.insert(0, str(ROOT))
+from hpcrl.metrics.writer import read_evals  # noqa: E402
+
 RUNS = {
     **{f"eta{e}": [f"admission.max_staleness={e}"] for e in (0, 1, 2, 4, 8)},
     **{f"plain_eta{e}": [f"admission.max_staleness={e}", "algo.decoupled=false"] for e in (1, 2, 4, 8)},
@@ -111,7 +114,7 @@ def read_run(run_dir: Path, extra: list[str]) -> dict:
     """One finished run's curves and summary, from its ``logs/metrics.jsonl``."""
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     evals = [{"step": r.get("step", 0), "wall_s": r.get("time/elapsed_s", 0.0), "accuracy": r["eval/accuracy"]}
-             for r in records if r.get("eval/accuracy") is not None]
+             for r in read_evals(run_dir / "logs")]  # the trainer's or the evaluation component's
     steps = [r for r in records if "reward/mean" in r]
     return {"overrides": extra, "evals": evals,
             "reward": [(r["step"], r["reward/mean"]) for r in steps],

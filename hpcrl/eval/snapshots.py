@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcrl import atomic
+from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WEIGHTS_FILE
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:  # torch only where a snapshot is written: the supervisor and 
 
 log = logging.getLogger(__name__)
 
-EVAL_LOG = "eval.jsonl"
 _META = "snapshot.json"
 
 
@@ -131,8 +131,6 @@ class EvalLog:
     """``logs/eval.jsonl`` (and TensorBoard), written by the one evaluation component of the run."""
 
     def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
-        from hpcrl.metrics.writer import MetricsWriter, read_metrics
-
         self.path = Path(log_dir) / EVAL_LOG
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()

@@ -23,11 +23,14 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+METRICS_LOG = "metrics.jsonl"  # the trainer's records
+EVAL_LOG = "eval.jsonl"  # the evaluation component's records (eval.mode: component)
+
 
 class MetricsWriter:
     """Appends records to ``<log_dir>/<filename>`` (``durable``: fsynced before :meth:`write` returns)."""
 
-    def __init__(self, log_dir: str | Path, tensorboard: bool = True, filename: str = "metrics.jsonl",
+    def __init__(self, log_dir: str | Path, tensorboard: bool = True, filename: str = METRICS_LOG,
                  durable: bool = False) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -83,10 +86,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 def read_evals(log_dir: str | Path) -> list[dict[str, Any]]:
     """The held-out evaluations of a run, by step: the trainer's (``metrics.jsonl``) and the evaluation
     component's (``eval.jsonl``). Where one step was evaluated more than once (a trainer that restarted from an
-    earlier checkpoint published it again), the record written last stands."""
+    earlier checkpoint published it again), the last record of that step stands (eval.jsonl's after
+    metrics.jsonl's: a run resumed with another eval.mode has its later evaluations there)."""
     log_dir = Path(log_dir)
     by_step: dict[int, dict[str, Any]] = {}
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name in (METRICS_LOG, EVAL_LOG):
         for r in read_metrics(log_dir / name):
             if r.get("eval/accuracy") is not None:
                 by_step[int(r.get("step", 0))] = r

@@ -42,7 +42,7 @@ from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.eval.config import EvalConfig
 from hpcrl.eval.snapshots import Snapshots
-from hpcrl.metrics.writer import MetricsWriter
+from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
 from hpcrl.model.hf_io import load_model
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.spool.format import TrajectoryGroup
@@ -132,16 +132,10 @@ class Reporter:
         evaluation component had not recorded yet, so no due version goes unevaluated."""
         from safetensors.torch import load_file
 
-        from hpcrl.eval.snapshots import EvalLog
-
         pending = Snapshots(self.writer.log_dir.parent / "eval" / "pending")
-        left = pending.pending()
-        if not left:
-            return
-        recorded = EvalLog(self.writer.log_dir, tensorboard=False)
-        recorded.close()
-        for snap in left:
-            if not recorded.recorded(snap.id):
+        recorded = {r.get("eval/snapshot") for r in read_metrics(self.writer.log_dir / EVAL_LOG)}
+        for snap in pending.pending():
+            if snap.id not in recorded:
                 t = time.time()
                 acc = self.evaluate(load_file(str(snap.weights)))
                 self.write({"step": snap.version, "eval/accuracy": acc, "time/eval_s": time.time() - t,
