@@ -98,12 +98,12 @@ def analyse(run_dir: Path) -> dict:
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in records if "time/step_s" in r]
     loop = sum(r["time/step_s"] for r in steps)
-    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "train", "publish", "commit")}
+    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "update", "publish", "commit")}
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
     hist, read_s, n_files = spool_scan(run_dir)
     out = {"steps": len(steps), "samples": samples, "tokens": tokens, "trainer_loop_s": loop,
            "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
-           "trainer_busy": (tot["train"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
+           "trainer_busy": (tot["update"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
            "commit_share": tot["commit"] / loop, "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
            "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),

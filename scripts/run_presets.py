@@ -40,13 +40,13 @@ def run_preset(name: str, preset: str, extra: list[str], steps: int, workdir: Pa
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps_recs = [r for r in records if "time/train_s" in r]
+    steps_recs = [r for r in records if "time/update_s" in r]
     values = [v for r in records for v in r.values() if isinstance(v, (int, float))]
     last = steps_recs[-1] if steps_recs else {}
     return {
         "preset": name, "steps": summary["steps"], "acc_start": summary["initial_accuracy"],
         "acc_end": summary["final_accuracy"], "non_finite": sum(not math.isfinite(v) for v in values),
-        "train_s_per_step": sum(r["time/train_s"] for r in steps_recs) / max(len(steps_recs), 1),
+        "train_s_per_step": sum(r["time/update_s"] for r in steps_recs) / max(len(steps_recs), 1),
         "prepare_s_per_step": sum(r.get("time/prepare_s", 0.0) for r in steps_recs) / max(len(steps_recs), 1),
         "dropped": {k[len("groups/dropped_"):]: v for k, v in last.items() if k.startswith("groups/dropped_")},
         "wall_s": time.time() - t0,

@@ -177,6 +177,8 @@ def test_metrics_continue_across_a_trainer_restart(tmp_path, assets) -> None:
     assert last["throughput/leg_samples_per_s"] == pytest.approx(3 * B * G / last["time/leg_s"], rel=1e-3)
     elapsed = [r["time/elapsed_s"] for r in records]
     assert elapsed == sorted(elapsed) and last["time/elapsed_s"] >= last["time/train_s"]  # downtime included
+    # each step's own training passes are time/update_s; the cumulative time/train_s does not overwrite them
+    assert all(0 < r["time/update_s"] <= r["time/step_s"] <= r["time/train_s"] for r in steps)
 
 
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, assets) -> None:

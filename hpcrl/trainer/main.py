@@ -101,7 +101,7 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             extra = {"groups/uniform": n_uniform, "version": version + 1,
                      "memory/peak_mb": device_of(ctx.device).peak_memory_bytes() / 2**20,
                      **{f"groups/dropped_{k}": v for k, v in feed.dropped.items()}}
-            reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "train": t2 - t1, "publish": t3 - t2 - t_commit,
+            reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "update": t2 - t1, "publish": t3 - t2 - t_commit,
                                                        "commit": t_commit,
                                                        "step": time.time() - t0}, state, extra)
         if heartbeat:
