@@ -25,7 +25,7 @@ from hpcrl.data.longtail import write_reverse_dataset
 from hpcrl.data.rows import Row, load_rows
 from hpcrl.model.hf_io import load_tokenizer, unknown_characters
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.runner import RewardRunner, load_function
 from hpcrl.sft.warm_start import warm_start
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,11 @@ def load_prepared(run_dir: str | Path) -> Prepared:
 
 def dataset_paths(cfg: RunConfig) -> tuple[Path, Path]:
     d = cfg.data
-    if d.synthetic == "addition":
-        out = Path(d.synthetic_dir).expanduser() / f"addition-d{d.synthetic_digits}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}"
-        return write_addition_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits)
+    if d.synthetic in ("addition", "multiplication"):
+        out = (Path(d.synthetic_dir).expanduser()
+               / f"{d.synthetic}-d{d.synthetic_digits}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}")
+        return write_addition_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits,
+                                      op="+" if d.synthetic == "addition" else "*")
     if d.synthetic == "reverse":
         out = (Path(d.synthetic_dir).expanduser()
                / f"reverse-l{d.synthetic_max_len}-a{d.synthetic_alpha}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}")
@@ -113,9 +115,11 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:
             log.info("SFT warm start skipped: the policy starts from %s", prepared.init_from["checkpoint"])
     elif cfg.sft.enabled:
         runner = RewardRunner(cfg.reward)
+        demonstrate = load_function(cfg.sft.demonstrations, "sft.demonstrations:") if cfg.sft.demonstrations else None
         try:
             res = warm_start(cfg.sft, base, train_rows, eval_rows, scorer(runner),
-                             max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
+                             max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template,
+                             demonstrate=demonstrate)
         finally:
             runner.close()
         prepared.init_model, prepared.sft_accuracy = str(res.path), res.accuracy

@@ -134,3 +134,17 @@ def test_arithmetic_cli(tmp_path, capsys):
     main(["--out", str(tmp_path), "--n-train", "50", "--n-eval", "10", "--seed", "3"])
     assert str(tmp_path / "train.jsonl") in capsys.readouterr().out
     assert len(load_rows(tmp_path / "eval.jsonl")) == 10
+
+
+def test_multiplication_dataset(tmp_path):
+    train, evals = write_addition_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5, op="*")
+    rows = load_rows(train) + load_rows(evals)
+    for r in rows:
+        x, y = r.prompt.rstrip("=").split("*")
+        assert 10 <= int(x) <= 99 and 10 <= int(y) <= 99 and r.answer == str(int(x) * int(y))
+    assert not {r.prompt for r in load_rows(evals)} & {r.prompt for r in load_rows(train)}
+    # the same folder asked for additions is regenerated, not reused
+    write_addition_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5)
+    assert "+" in load_rows(train)[0].prompt
+    with pytest.raises(ValueError, match="^op"):
+        write_addition_dataset(tmp_path / "x", n_train=10, n_eval=5, op="-")

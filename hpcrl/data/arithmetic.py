@@ -1,4 +1,4 @@
-"""Synthetic addition datasets ("12+47=" -> "59") for the CPU demo and tests.
+"""Synthetic arithmetic datasets ("12+47=" -> "59", or "12*47=" -> "564") for the CPU demo, the examples and tests.
 
 ``write_addition_dataset`` writes ``train.jsonl`` and ``eval.jsonl`` and then
 ``meta.json`` last: meta.json is the commit marker. A second call with the
@@ -33,9 +33,18 @@ def _operand_range(digits: int) -> tuple[int, int]:
     return 10 ** (digits - 1), 10**digits - 1
 
 
-def _problem(rng: random.Random, lo: int, hi: int) -> dict:
+OPS = {"+": ("addition", lambda a, b: a + b), "*": ("multiplication", lambda a, b: a * b)}
+
+
+def _kind(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"op: must be one of {sorted(OPS)}, got {op!r}")
+    return OPS[op][0]
+
+
+def _problem(rng: random.Random, lo: int, hi: int, op: str = "+") -> dict:
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+    return {"prompt": f"{a}{op}{b}=", "answer": str(OPS[op][1](a, b))}
 
 
 def addition_problems(n: int, seed: int, digits: int = 2) -> list[dict]:
@@ -47,20 +56,20 @@ def addition_problems(n: int, seed: int, digits: int = 2) -> list[dict]:
     return [_problem(rng, lo, hi) for _ in range(n)]
 
 
-def _split(n_train: int, n_eval: int, seed: int, digits: int) -> tuple[list[dict], list[dict]]:
-    lo, hi = _operand_range(digits)
+def _split(n_train: int, n_eval: int, seed: int, digits: int, op: str = "+") -> tuple[list[dict], list[dict]]:
+    lo, hi, kind = *_operand_range(digits), _kind(op)
     space = (hi - lo + 1) ** 2
     if n_eval >= space:
         raise ValueError(f"n_eval: must be < {space} (all {digits}-digit problems), got {n_eval}")
-    rng = random.Random(f"addition-eval/{seed}/{digits}")
+    rng = random.Random(f"{kind}-eval/{seed}/{digits}")
     eval_rows: dict[str, dict] = {}
     while len(eval_rows) < n_eval:
-        p = _problem(rng, lo, hi)
+        p = _problem(rng, lo, hi, op)
         eval_rows.setdefault(p["prompt"], p)
-    rng = random.Random(f"addition-train/{seed}/{digits}")
+    rng = random.Random(f"{kind}-train/{seed}/{digits}")
     train: list[dict] = []
     while len(train) < n_train:
-        p = _problem(rng, lo, hi)
+        p = _problem(rng, lo, hi, op)
         if p["prompt"] not in eval_rows:
             train.append(p)
     return train, list(eval_rows.values())
@@ -71,44 +80,47 @@ def _jsonl(rows: list[dict]) -> str:
 
 
 def write_addition_dataset(
-    out_dir: Path, n_train: int = 20000, n_eval: int = 500, seed: int = 0, digits: int = 2
+    out_dir: Path, n_train: int = 20000, n_eval: int = 500, seed: int = 0, digits: int = 2, op: str = "+"
 ) -> tuple[Path, Path]:
-    """Write (or reuse) ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl``; return their paths."""
+    """Write (or reuse) ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl``; return their paths.
+    ``op`` "*" writes multiplications instead of additions."""
+    kind = _kind(op)
     if n_train < 1:
         raise ValueError(f"n_train: must be >= 1, got {n_train}")
     if n_eval < 1:
         raise ValueError(f"n_eval: must be >= 1, got {n_eval}")
     out = Path(out_dir).expanduser()
     train_path, eval_path, meta_path = out / "train.jsonl", out / "eval.jsonl", out / "meta.json"
-    meta = {"kind": "addition", "format_version": FORMAT_VERSION, "n_train": n_train,
+    meta = {"kind": kind, "format_version": FORMAT_VERSION, "n_train": n_train,
             "n_eval": n_eval, "seed": seed, "digits": digits}
     if train_path.exists() and eval_path.exists() and meta_path.exists():
         try:
             if atomic.read_json(meta_path) == meta:
-                log.info("reusing addition dataset in %s", out)
+                log.info("reusing %s dataset in %s", kind, out)
                 return train_path, eval_path
         except json.JSONDecodeError:
             log.warning("%s: unreadable meta.json, regenerating", out)
         log.warning("%s: dataset parameters changed, regenerating", out)
-    train, evals = _split(n_train, n_eval, seed, digits)
+    train, evals = _split(n_train, n_eval, seed, digits, op)
     out.mkdir(parents=True, exist_ok=True)
     meta_path.unlink(missing_ok=True)  # uncommit before replacing the data
     atomic.write_text(train_path, _jsonl(train))
     atomic.write_text(eval_path, _jsonl(evals))
     atomic.write_json(meta_path, meta)
-    log.info("wrote %d train / %d eval addition problems to %s", n_train, n_eval, out)
+    log.info("wrote %d train / %d eval %s problems to %s", n_train, n_eval, kind, out)
     return train_path, eval_path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write an addition dataset (train.jsonl, eval.jsonl).")
+    parser = argparse.ArgumentParser(description="Write an addition (or multiplication) dataset (train.jsonl, eval.jsonl).")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-eval", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits", type=int, default=2)
+    parser.add_argument("--op", choices=sorted(OPS), default="+")
     args = parser.parse_args(argv)
-    train, evals = write_addition_dataset(Path(args.out), args.n_train, args.n_eval, args.seed, args.digits)
+    train, evals = write_addition_dataset(Path(args.out), args.n_train, args.n_eval, args.seed, args.digits, args.op)
     print(f"train: {train}\neval: {evals}")
 
 

@@ -18,6 +18,9 @@ class SFTConfig:
     seed: int = 0  # batch order seed
     threads: int = 2  # torch intra-op threads while training
     cache_dir: str = "~/.cache/hpcrl/sft"  # finished warm starts are cached here by content hash
+    # "pkg.module:function" of `def f(data: dict) -> {"messages": [...], "tools": [...]}`: train each row's demonstrated
+    # conversation (assistant turns, chat template) instead of prompt -> answer (hpcrl/sft/demonstrations.py)
+    demonstrations: str = ""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -31,3 +34,5 @@ class SFTConfig:
             raise ValueError(f"target_accuracy: must be >= 0, got {self.target_accuracy}")
         if not self.cache_dir:
             raise ValueError("cache_dir: must be a non-empty path")
+        if self.demonstrations and ":" not in self.demonstrations:
+            raise ValueError(f"demonstrations: expected 'package.module:function', got {self.demonstrations!r}")

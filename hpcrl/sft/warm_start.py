@@ -38,6 +38,7 @@ from hpcrl import atomic
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.model.hf_io import encode_prompt, load_model, load_tokenizer, save_model
+from hpcrl.sft.demonstrations import Demonstrate, demonstrations, turn_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +83,24 @@ def cache_key(cfg: SFTConfig, base: Path, train_rows: list[Row], eval_rows: list
 
 
 def _tokenize(tok: PreTrainedTokenizerBase, rows: list[Row], chat_template: bool) -> list[tuple[list[int], list[int]]]:
-    eos = tok.eos_token_id
-    return [
-        (encode_prompt(tok, r.prompt, chat_template), list(tok.encode(r.answer, add_special_tokens=False)) + [eos])
-        for r in rows
-    ]
+    """(ids, labels) of each row: the prompt, then the answer and eos, trained on the answer and eos only."""
+    out = []
+    for r in rows:
+        prompt = encode_prompt(tok, r.prompt, chat_template)
+        answer = list(tok.encode(r.answer, add_special_tokens=False)) + [tok.eos_token_id]
+        out.append((prompt + answer, [-100] * len(prompt) + answer))
+    return out
 
 
-def _collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch; labels are -100 except on answer tokens (+ eos)."""
-    width = max(len(p) + len(a) for p, a in pairs)
-    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(pairs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(pairs), width), dtype=torch.long)
-    for i, (p, a) in enumerate(pairs):
-        seq = torch.tensor(p + a, dtype=torch.long)
-        ids[i, : len(seq)] = seq
-        labels[i, len(p): len(seq)] = seq[len(p):]
+def _collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch of (ids, labels); labels are -100 where nothing is trained."""
+    width = max(len(ids) for ids, _ in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, (seq, lab) in enumerate(items):
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        labels[i, : len(lab)] = torch.tensor(lab, dtype=torch.long)
         mask[i, : len(seq)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -171,8 +173,12 @@ def warm_start(
     *,
     max_new_tokens: int = 8,
     chat_template: bool = False,
+    demonstrate: Demonstrate | None = None,
 ) -> SFTResult:
-    """Return a warm-started copy of ``base_model`` (trained now, or from the cache)."""
+    """Return a warm-started copy of ``base_model`` (trained now, or from the cache).
+
+    With ``demonstrate`` (``sft.demonstrations``) each row's demonstrated conversation is trained instead of its
+    answer, and the accuracy is that of the demonstrated turns (:mod:`hpcrl.sft.demonstrations`)."""
     base = Path(base_model).expanduser()
     if not cfg.enabled:
         return SFTResult(base, float("nan"), 0, False, 0.0)
@@ -181,6 +187,13 @@ def warm_start(
     tok = load_tokenizer(base)  # validates the folder before hashing it
     extra = {"max_new_tokens": max_new_tokens, "chat_template": chat_template,
              "score": f"{getattr(score, '__module__', '')}.{getattr(score, '__qualname__', repr(score))}"}
+    evals = eval_rows[: cfg.eval_size]
+    if demonstrate is not None:  # the conversations themselves are what the weights depend on
+        train_demos, eval_demos = demonstrations(tok, train_rows, demonstrate), demonstrations(tok, evals, demonstrate)
+        h = hashlib.sha256()
+        for d in (*train_demos, None, *eval_demos):
+            h.update(json.dumps(None if d is None else [d.ids, d.turns]).encode())
+        extra = {"demonstrations": h.hexdigest()}
     key = cache_key(cfg, base, train_rows, eval_rows, extra)
     final = Path(cfg.cache_dir).expanduser() / key
     if (hit := _cached(final)) is not None:
@@ -191,12 +204,17 @@ def warm_start(
     t0 = time.monotonic()
     try:
         model = load_model(base)
-        data = _tokenize(tok, train_rows, chat_template)
-        evals = eval_rows[: cfg.eval_size]
+        if demonstrate is not None:
+            data = [(d.ids, d.labels()) for d in train_demos]
 
-        def evaluate() -> float:
-            return greedy_accuracy(model, tok, evals, score, max_new_tokens=max_new_tokens,
-                                   chat_template=chat_template).accuracy
+            def evaluate() -> float:
+                return turn_accuracy(model, tok, eval_demos)
+        else:
+            data = _tokenize(tok, train_rows, chat_template)
+
+            def evaluate() -> float:
+                return greedy_accuracy(model, tok, evals, score, max_new_tokens=max_new_tokens,
+                                       chat_template=chat_template).accuracy
 
         accuracy, steps = _train(cfg, model, tok, data, evaluate)
     finally:
