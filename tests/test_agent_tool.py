@@ -11,42 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from examples.agents.calculator_tool import (  # noqa: E402
     calculate, demonstration, run_agent_return_reward, tool_result)
 from hpcrl.agent.export import concat  # noqa: E402
-from hpcrl.agent.proxy import AgentProxy  # noqa: E402
 from hpcrl.data.rows import Row  # noqa: E402
 from hpcrl.model.tiny import build_char_tokenizer  # noqa: E402
-from hpcrl.runtime.dist import free_port  # noqa: E402
 from hpcrl.sft.demonstrations import tokenize_demonstration  # noqa: E402
-from test_agent_proxy import EOS, ScriptedEngine  # noqa: E402
+import test_agent_proxy  # noqa: E402
+from test_agent_proxy import EOS  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def served():
-    tokenizer = build_char_tokenizer()
-    engine = ScriptedEngine(tokenizer)
-    proxy = AgentProxy(tokenizer, engine.generate, max_tokens=128)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(proxy.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "proxy did not start"
-        time.sleep(0.05)
-    yield proxy, engine, f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+served = test_agent_proxy.served  # the fixture: the proxy (uvicorn, loopback) over a scripted engine
 
 
 def episode(proxy, url: str, data: dict, name) -> tuple[float, list]:
