@@ -106,6 +106,13 @@ def test_a_warm_start_on_demonstrations_learns_them_turn_for_turn(tmp_path) -> N
 
 
 def test_demonstrations_are_checked() -> None:
+    from hpcrl.sft.demonstrations import call_demonstrate
+
+    rows = [Row(prompt="1*2=", answer="2", index=0), Row(prompt="3*4=", answer="12", index=7)]
+    with pytest.raises(ValueError, match=r"row 7 \('3\*4='\): KeyError"):
+        call_demonstrate(rows, lambda data: demonstration(data) if data["index"] == 0 else {}["x"])
+    with pytest.raises(ValueError, match="row 0 .* expected a dict"):
+        call_demonstrate(rows, lambda data: [])
     tok = build_char_tokenizer()
     with pytest.raises(ValueError, match="non-empty 'messages'"):
         tokenize_demonstration(tok, {"messages": []})

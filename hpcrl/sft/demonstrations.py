@@ -32,7 +32,8 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import left_pad
 
-__all__ = ["Demonstration", "Demonstrate", "tokenize_demonstration", "turn_accuracy", "row_data"]
+__all__ = ["Demonstration", "Demonstrate", "call_demonstrate", "tokenize_demonstration", "tokenize_demonstrations",
+           "turn_accuracy", "row_data"]
 
 Demonstrate = Callable[[dict], dict]
 
@@ -108,16 +109,22 @@ def tokenize_demonstration(tok: PreTrainedTokenizerBase, demo: dict, where: str 
     return Demonstration(ids, turns)
 
 
-def demonstrations(tok: PreTrainedTokenizerBase, rows: list[Row], demonstrate: Demonstrate) -> list[Demonstration]:
+def call_demonstrate(rows: list[Row], demonstrate: Demonstrate) -> list[dict]:
+    """The function's demonstration of each row, checked for shape; an error names the row."""
     out = []
     for row in rows:
+        where = f"row {row.index} ({row.prompt!r})"
         try:
             demo = demonstrate(row_data(row))
         except Exception as e:  # the user's function: name the row it failed on
-            raise ValueError(f"sft.demonstrations: row {row.index} ({row.prompt!r}): "
-                             f"{type(e).__name__}: {e}") from e
-        out.append(tokenize_demonstration(tok, demo, f"row {row.index} ({row.prompt!r})"))
+            raise ValueError(f"sft.demonstrations: {where}: {type(e).__name__}: {e}") from e
+        _check(demo, where)
+        out.append(demo)
     return out
+
+
+def tokenize_demonstrations(tok: PreTrainedTokenizerBase, rows: list[Row], demos: list[dict]) -> list[Demonstration]:
+    return [tokenize_demonstration(tok, d, f"row {r.index} ({r.prompt!r})") for r, d in zip(rows, demos)]
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ from hpcrl import atomic
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.model.hf_io import encode_prompt, load_model, load_tokenizer, save_model
-from hpcrl.sft.demonstrations import Demonstrate, demonstrations, turn_accuracy
+from hpcrl.sft.demonstrations import Demonstrate, call_demonstrate, tokenize_demonstrations, turn_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +188,11 @@ def warm_start(
     extra = {"max_new_tokens": max_new_tokens, "chat_template": chat_template,
              "score": f"{getattr(score, '__module__', '')}.{getattr(score, '__qualname__', repr(score))}"}
     evals = eval_rows[: cfg.eval_size]
-    if demonstrate is not None:  # the conversations themselves are what the weights depend on
-        train_demos, eval_demos = demonstrations(tok, train_rows, demonstrate), demonstrations(tok, evals, demonstrate)
+    if demonstrate is not None:  # the conversations are what the weights depend on (rendered by the hashed tokenizer)
+        train_demos, eval_demos = call_demonstrate(train_rows, demonstrate), call_demonstrate(evals, demonstrate)
         h = hashlib.sha256()
         for d in (*train_demos, None, *eval_demos):
-            h.update(json.dumps(None if d is None else [d.ids, d.turns]).encode())
+            h.update(json.dumps(d, sort_keys=True, default=str).encode() + b"\n")
         extra = {"demonstrations": h.hexdigest()}
     key = cache_key(cfg, base, train_rows, eval_rows, extra)
     final = Path(cfg.cache_dir).expanduser() / key
@@ -205,10 +205,11 @@ def warm_start(
     try:
         model = load_model(base)
         if demonstrate is not None:
-            data = [(d.ids, d.labels()) for d in train_demos]
+            data = [(d.ids, d.labels()) for d in tokenize_demonstrations(tok, train_rows, train_demos)]
+            eval_tokens = tokenize_demonstrations(tok, evals, eval_demos)
 
             def evaluate() -> float:
-                return turn_accuracy(model, tok, eval_demos)
+                return turn_accuracy(model, tok, eval_tokens)
         else:
             data = _tokenize(tok, train_rows, chat_template)
 
