@@ -77,7 +77,8 @@ def test_greedy_accuracy_rejects_empty(base):
 
 
 def test_collate_masks_prompt_and_pads():
-    batch = ws._collate([([5, 6, 7], [8, 1]), ([5], [9, 9, 1])], pad_id=0)
+    # (ids, labels): a prompt of 3 tokens then an answer of 2, a prompt of 1 then an answer of 3
+    batch = ws._collate([([5, 6, 7, 8, 1], [-100, -100, -100, 8, 1]), ([5, 9, 9, 1], [-100, 9, 9, 1])], pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 1], [5, 9, 9, 1, 0]]
     assert batch["labels"].tolist() == [[-100, -100, -100, 8, 1], [-100, 9, 9, 1, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
