@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.config import RunConfig
-from hpcrl.data.arithmetic import write_addition_dataset
+from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.data.longtail import write_reverse_dataset
 from hpcrl.data.rows import Row, load_rows
 from hpcrl.model.hf_io import load_tokenizer, unknown_characters
@@ -52,7 +52,7 @@ def dataset_paths(cfg: RunConfig) -> tuple[Path, Path]:
     if d.synthetic in ("addition", "multiplication"):
         out = (Path(d.synthetic_dir).expanduser()
                / f"{d.synthetic}-d{d.synthetic_digits}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}")
-        return write_addition_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits,
+        return write_arithmetic_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed, digits=d.synthetic_digits,
                                       op="+" if d.synthetic == "addition" else "*")
     if d.synthetic == "reverse":
         out = (Path(d.synthetic_dir).expanduser()

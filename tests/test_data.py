@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpcrl.data.arithmetic import addition_problems, main, write_addition_dataset
+from hpcrl.data.arithmetic import addition_problems, main, write_arithmetic_dataset
 from hpcrl.data.rows import BadRowError, Row, load_rows
 
 LINES = [
@@ -107,27 +107,27 @@ def test_addition_problems_deterministic_and_in_range():
 
 
 def test_addition_dataset_disjoint_deterministic_idempotent(tmp_path):
-    train, evals = write_addition_dataset(tmp_path / "a", n_train=3000, n_eval=300, seed=5)
+    train, evals = write_arithmetic_dataset(tmp_path / "a", n_train=3000, n_eval=300, seed=5)
     t_rows, e_rows = load_rows(train), load_rows(evals)
     assert len(t_rows) == 3000 and len(e_rows) == 300
     eval_prompts = {r.prompt for r in e_rows}
     assert len(eval_prompts) == 300
     assert not eval_prompts & {r.prompt for r in t_rows}
-    train2, evals2 = write_addition_dataset(tmp_path / "b", n_train=3000, n_eval=300, seed=5)
+    train2, evals2 = write_arithmetic_dataset(tmp_path / "b", n_train=3000, n_eval=300, seed=5)
     assert train.read_bytes() == train2.read_bytes() and evals.read_bytes() == evals2.read_bytes()
     # idempotent: a matching meta.json means the files are reused, not rewritten
     mtime = train.stat().st_mtime_ns
-    assert write_addition_dataset(tmp_path / "a", n_train=3000, n_eval=300, seed=5) == (train, evals)
+    assert write_arithmetic_dataset(tmp_path / "a", n_train=3000, n_eval=300, seed=5) == (train, evals)
     assert train.stat().st_mtime_ns == mtime
     # changed parameters regenerate
-    write_addition_dataset(tmp_path / "a", n_train=100, n_eval=300, seed=5)
+    write_arithmetic_dataset(tmp_path / "a", n_train=100, n_eval=300, seed=5)
     assert len(load_rows(train)) == 100
     assert not [p for p in (tmp_path / "a").iterdir() if ".tmp." in p.name]
 
 
 def test_addition_dataset_rejects_impossible_eval(tmp_path):
     with pytest.raises(ValueError, match="^n_eval"):
-        write_addition_dataset(tmp_path, n_train=10, n_eval=81, digits=1)
+        write_arithmetic_dataset(tmp_path, n_train=10, n_eval=81, digits=1)
 
 
 def test_arithmetic_cli(tmp_path, capsys):
@@ -137,14 +137,14 @@ def test_arithmetic_cli(tmp_path, capsys):
 
 
 def test_multiplication_dataset(tmp_path):
-    train, evals = write_addition_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5, op="*")
+    train, evals = write_arithmetic_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5, op="*")
     rows = load_rows(train) + load_rows(evals)
     for r in rows:
         x, y = r.prompt.rstrip("=").split("*")
         assert 10 <= int(x) <= 99 and 10 <= int(y) <= 99 and r.answer == str(int(x) * int(y))
     assert not {r.prompt for r in load_rows(evals)} & {r.prompt for r in load_rows(train)}
     # the same folder asked for additions is regenerated, not reused
-    write_addition_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5)
+    write_arithmetic_dataset(tmp_path / "m", n_train=500, n_eval=50, seed=5)
     assert "+" in load_rows(train)[0].prompt
     with pytest.raises(ValueError, match="^op"):
-        write_addition_dataset(tmp_path / "x", n_train=10, n_eval=5, op="-")
+        write_arithmetic_dataset(tmp_path / "x", n_train=10, n_eval=5, op="-")

@@ -30,7 +30,7 @@ from hpcrl.audit import audit
 from hpcrl.ckpt import store
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import load_config, load_saved, save
-from hpcrl.data.arithmetic import write_addition_dataset
+from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.runtime.dist import free_port
 from hpcrl.prepare import Prepared, load_prepared
 from hpcrl import atomic
@@ -49,7 +49,7 @@ def assets(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("assets")
     build_tiny_model(d / "model", TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
                                                   head_dim=16, intermediate_size=64))
-    write_addition_dataset(d / "data", n_train=200, n_eval=10)
+    write_arithmetic_dataset(d / "data", n_train=200, n_eval=10)
     return d
 
 

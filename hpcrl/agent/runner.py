@@ -115,8 +115,7 @@ class AgentEpisodes:
         stale = self._delivered.pop(key, None)  # delivered, then judged too stale and started again
         if stale is not None:
             self._results.pop(stale, None)
-        data = {"prompt": row.prompt, "answer": row.answer, "index": row.index, **row.extra}
-        asyncio.run_coroutine_threadsafe(self._episode(key, run, data), self.loop)
+        asyncio.run_coroutine_threadsafe(self._episode(key, run, row.data()), self.loop)
 
     def collect(self, completion: Completion) -> None:
         self.loop.call_soon_threadsafe(self._resolve, completion)

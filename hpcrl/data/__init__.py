@@ -1,4 +1,4 @@
-"""Datasets: prompt/answer rows from files, and the synthetic addition task."""
+"""Datasets: prompt/answer rows from files, and the synthetic arithmetic (addition, multiplication) and reverse tasks."""
 
 from hpcrl._lazy import lazy_namespace
 

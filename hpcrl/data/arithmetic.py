@@ -1,6 +1,6 @@
 """Synthetic arithmetic datasets ("12+47=" -> "59", or "12*47=" -> "564") for the CPU demo, the examples and tests.
 
-``write_addition_dataset`` writes ``train.jsonl`` and ``eval.jsonl`` and then
+``write_arithmetic_dataset`` writes ``train.jsonl`` and ``eval.jsonl`` and then
 ``meta.json`` last: meta.json is the commit marker. A second call with the
 same parameters finds a matching meta.json and reuses the files, so many
 processes (or a resubmitted job) can call it safely; every file is published
@@ -79,7 +79,7 @@ def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def write_addition_dataset(
+def write_arithmetic_dataset(
     out_dir: Path, n_train: int = 20000, n_eval: int = 500, seed: int = 0, digits: int = 2, op: str = "+"
 ) -> tuple[Path, Path]:
     """Write (or reuse) ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl``; return their paths.
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--op", choices=sorted(OPS), default="+")
     args = parser.parse_args(argv)
-    train, evals = write_addition_dataset(Path(args.out), args.n_train, args.n_eval, args.seed, args.digits, args.op)
+    train, evals = write_arithmetic_dataset(Path(args.out), args.n_train, args.n_eval, args.seed, args.digits, args.op)
     print(f"train: {train}\neval: {evals}")
 
 

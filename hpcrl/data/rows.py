@@ -37,6 +37,11 @@ class Row:
     index: int  # position among the file's valid rows
     extra: dict = field(default_factory=dict)  # every other column of the row
 
+    def data(self) -> dict:
+        """The row as user functions get it (an agent's ``data``, a demonstration's): prompt, answer, index and
+        the other columns."""
+        return {"prompt": self.prompt, "answer": self.answer, "index": self.index, **self.extra}
+
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     with open(path, encoding="utf-8") as f:

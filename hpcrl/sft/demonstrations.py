@@ -33,7 +33,7 @@ from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import left_pad
 
 __all__ = ["Demonstration", "Demonstrate", "call_demonstrate", "tokenize_demonstration", "tokenize_demonstrations",
-           "turn_accuracy", "row_data"]
+           "turn_accuracy"]
 
 Demonstrate = Callable[[dict], dict]
 
@@ -53,9 +53,8 @@ class Demonstration:
         return out
 
 
-def row_data(row: Row) -> dict:
-    """A row as the demonstration function (and an agent function) gets it."""
-    return {"prompt": row.prompt, "answer": row.answer, "index": row.index, **row.extra}
+def _where(row: Row) -> str:
+    return f"row {row.index} ({row.prompt!r})"
 
 
 def _check(demo: object, where: str) -> tuple[list[dict], list[dict] | None]:
@@ -113,9 +112,9 @@ def call_demonstrate(rows: list[Row], demonstrate: Demonstrate) -> list[dict]:
     """The function's demonstration of each row, checked for shape; an error names the row."""
     out = []
     for row in rows:
-        where = f"row {row.index} ({row.prompt!r})"
+        where = _where(row)
         try:
-            demo = demonstrate(row_data(row))
+            demo = demonstrate(row.data())
         except Exception as e:  # the user's function: name the row it failed on
             raise ValueError(f"sft.demonstrations: {where}: {type(e).__name__}: {e}") from e
         _check(demo, where)
@@ -124,7 +123,7 @@ def call_demonstrate(rows: list[Row], demonstrate: Demonstrate) -> list[dict]:
 
 
 def tokenize_demonstrations(tok: PreTrainedTokenizerBase, rows: list[Row], demos: list[dict]) -> list[Demonstration]:
-    return [tokenize_demonstration(tok, d, f"row {r.index} ({r.prompt!r})") for r, d in zip(rows, demos)]
+    return [tokenize_demonstration(tok, d, _where(r)) for r, d in zip(rows, demos)]
 
 
 @torch.inference_mode()
