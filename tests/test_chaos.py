@@ -32,6 +32,7 @@ def test_twenty_kills_a_supervisor_crash_and_bad_files_lose_nothing(tmp_path) ->
     assert report["quarantined"] == report["injected"]  # ...and nothing else: no reader saw a partial file
 
 
+@pytest.mark.long  # ~2 minutes: opt-in with -m long
 def test_trainer_kills_with_collective_weights(tmp_path) -> None:
     """Rollouts keep generating through trainer restarts and rejoin the new trainer's group."""
     chaos = load_chaos()

@@ -137,7 +137,8 @@ def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:
         assert not status.exists() or "State:\tZ" in status.read_text()  # nothing left running
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR2])
+# Ctrl-C is the same resume as after a crash (tested by the chaos runs): opt-in with -m long
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.long), signal.SIGUSR2])
 def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     """Ctrl-C kills every component; SIGUSR2 (walltime of the supervisor's job) makes every component
     checkpoint and stop first (exit 75). Either way ``--resume`` finishes the run, exactly once."""

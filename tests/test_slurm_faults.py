@@ -197,6 +197,7 @@ def het_steps(tmp_path_factory) -> int:
     return int(HET_TRAIN_S * len(steps) / sum(steps))
 
 
+@pytest.mark.long  # ~7 minutes of 2-minute jobs running out: opt-in with -m long
 def test_component_jobs_reaching_their_time_limit_checkpoint_and_are_resubmitted(tmp_path) -> None:
     """Each component is a 2-minute Slurm job (USR2 60 s before the end): the run outlives every job."""
     run, cache = tmp_path / "run", tmp_path / "cache"

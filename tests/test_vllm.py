@@ -150,6 +150,7 @@ def test_a_run_with_vllm_and_collective_weights_passes_the_audit_and_measures_th
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~2.5 minutes; the default suite kills a vLLM rollout with SIGKILL (below): opt-in with -m long
 def test_killing_the_vllm_server_mid_run_is_survived(tmp_path, cache) -> None:
     run = tmp_path / "vllm-kill"
     proc = subprocess.Popen(run_argv(vllm_run_args(run, cache, "admission.max_staleness=2", "trainer.total_steps=30",
