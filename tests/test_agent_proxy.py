@@ -274,3 +274,43 @@ def test_a_chat_reply_cut_at_a_stop_string_is_continued_with_its_turn_closed(ser
     assert calls[1].prompt_ids[:len(calls[0].prompt_ids) + len(calls[0].output_ids)] == \
         calls[0].prompt_ids + calls[0].output_ids  # the exact continuation: one trained branch
     assert concat(calls).turns == 2
+
+
+def test_the_admin_api_adds_keys_sets_rewards_and_ends_sessions_under_its_key(served) -> None:
+    proxy, engine, url = served
+    admin_url = url.removesuffix("/v1") + "/admin/sessions"
+    key = proxy.open(("t", 9))
+
+    def admin(method: str, path: str = "", token: str = "k" * 20, **body) -> httpx.Response:
+        return httpx.request(method, admin_url + path, json=body or None, timeout=10,
+                             headers={"Authorization": f"Bearer {token}"})
+
+    off = admin("GET")
+    assert off.status_code == 404 and "agent.admin_key_file" in off.json()["error"]["message"]  # no admin key: off
+    proxy.admin_key = "k" * 20
+    try:
+        assert admin("GET", token="sk-wrong").status_code == 401
+        assert admin("GET", token=key).status_code == 401  # an episode's key is not the admin's
+        listed = admin("GET").json()["data"]
+        assert [(s["id"], s["episode"], s["calls"], s["reward"]) for s in listed] == [(key, "('t', 9)", 0, None)]
+        sub = admin("POST", parent=key).json()["api_key"]  # a sub-agent's key for the same episode
+        engine.script += ["4", "6"]
+        client(url, key).completions.create(model="x", prompt="2+2=", max_tokens=4)
+        client(url, sub).completions.create(model="x", prompt="3+3=", max_tokens=4)
+        assert admin("GET").json()["data"][0]["calls"] == 2 and admin("GET").json()["data"][0]["keys"] == 2
+        assert admin("POST", f"/{sub}/reward", reward=0.5).json() == {"id": key, "reward": 0.5}  # any key names it
+        bad = httpx.post(f"{admin_url}/{key}/reward", content=b'{"reward": NaN}', timeout=10,
+                         headers={"Authorization": "Bearer " + "k" * 20, "Content-Type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+        assert admin("POST", f"/{key}/reward", reward="high").status_code == 400
+        assert admin("POST", "/sk-nobody/end").status_code == 404
+        session = proxy.sessions[key]
+        assert admin("POST", f"/{key}/end").json() == {"id": key, "calls": 2, "reward": 0.5}
+        assert session.ended.is_set() and session.reward == 0.5
+        assert [proxy.tokenizer.decode(c.prompt_ids) for c in session.calls] == ["2+2=", "3+3="]
+        for dead in (key, sub):  # ending the episode ends every key of it
+            with pytest.raises(openai.AuthenticationError):
+                client(url, dead).models.list()
+        assert admin("GET").json()["data"] == []
+    finally:
+        proxy.admin_key = None

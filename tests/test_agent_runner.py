@@ -11,6 +11,9 @@ scores 0 with its status, and the run goes on.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from hpcrl.admission.config import AdmissionConfig  # noqa: E402
 from hpcrl.algo.config import AlgoConfig  # noqa: E402
 from hpcrl.admission.ledger import AdmissionLedger  # noqa: E402
 from hpcrl.agent.config import AgentConfig  # noqa: E402
+from hpcrl.agent.proxy import read_admin_key  # noqa: E402
 from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # noqa: E402
 from hpcrl.data.rows import Row  # noqa: E402
 from hpcrl.model.hf_io import load_model, load_tokenizer  # noqa: E402
@@ -87,6 +91,45 @@ async def unruly_agent(data: dict, *, base_url: str, api_key: str) -> float:
     if i == 5:
         raise asyncio.CancelledError()  # its own, not the job stopping: an error like any other
     return 1.0
+
+
+REMOTE_AGENT = """
+import json, os, sys, urllib.request
+base_url, api_key, admin_key = sys.argv[1], sys.argv[2], os.environ["ADMIN_KEY"]
+answer, index = sys.argv[3], int(sys.argv[4])
+
+def post(url, key, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=60))
+
+text = post(base_url + "/completions", api_key, {"model": "p", "prompt": sys.argv[5], "max_tokens": 4})
+text = text["choices"][0]["text"]
+admin = base_url.removesuffix("/v1") + "/admin/sessions/" + api_key
+if index != 3:  # the grader of row 3 ends the episode without a reward
+    post(admin + "/reward", admin_key, {"reward": 1.0 if text.strip() == answer else 0.1 + index / 10})
+if index == 2:  # leaves the end to the agent function, which returns None: the reward set here counts
+    sys.exit(7)
+post(admin + "/end", admin_key, {})
+"""
+
+
+async def remote_agent(data: dict, *, base_url: str, api_key: str) -> float | None:
+    """Hands the episode to a program outside the job (here a subprocess) and waits: that program's grader sets
+    the reward and ends the session through the admin API, which cancels this function."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", REMOTE_AGENT, base_url, api_key,
+                                                data["answer"], str(data["index"]), data["prompt"],
+                                                env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
+    try:
+        if await proc.wait() == 7:
+            return None
+        await asyncio.sleep(3600)  # the end comes through the admin API, not from here
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+ADMIN_KEY = "admin-" + "x" * 26
 
 
 def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = ROWS,
@@ -218,3 +261,38 @@ def test_agent_fn_must_be_an_importable_async_function() -> None:
         load_agent_fn("tests_nowhere:f")
     with pytest.raises(ValueError, match=r"must be an async function"):
         load_agent_fn("json:dumps")
+
+
+def test_an_agent_outside_the_job_is_graded_and_ended_through_the_admin_api(tmp_path) -> None:
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    key_file.chmod(0o600)
+    worker, spool = make_worker(tmp_path, remote_agent, host="0.0.0.0", admin_key_file=str(key_file))
+    assert worker.episodes.base_url.startswith(f"http://{socket.gethostname()}:")  # what other nodes can reach
+    run_until(worker, 4)
+    by_row = {g.meta["row"]: g for g in (read_group(e.path) for e in spool.ready())}
+    for row in (0, 1, 2):
+        assert by_row[row].meta["reward_status"] == ["ok", "ok"]
+        assert {float(s.reward) for s in by_row[row].samples} <= {1.0, float(np.float32(0.1 + row / 10))}  # as stored
+        assert all(len(s.response_ids) for s in by_row[row].samples)  # the remote program's call is trained
+    assert by_row[3].meta["reward_status"] == ["invalid", "invalid"]  # ended, never graded: 0
+    assert worker.episodes.stats["ended_by_admin"] == 6 and worker.episodes.stats["ok"] == 6
+
+
+def test_a_proxy_beyond_loopback_needs_an_admin_key_only_its_owner_reads(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"host: '0\.0\.0\.0' is not loopback.*agent\.admin_key_file"):
+        AgentConfig(fn="x:y", host="0.0.0.0")
+    with pytest.raises(ValueError, match=r"admin_key_file: the admin API is the agent proxy's"):
+        AgentConfig(admin_key_file="k")
+    key_file = tmp_path / "admin.key"
+    with pytest.raises(ValueError, match=r"cannot read"):
+        read_admin_key(str(key_file))
+    key_file.write_text(ADMIN_KEY)
+    key_file.chmod(0o644)
+    with pytest.raises(ValueError, match=r"readable by others \(mode 644\); chmod 600"):
+        read_admin_key(str(key_file))
+    key_file.chmod(0o600)
+    assert read_admin_key(str(key_file)) == ADMIN_KEY
+    key_file.write_text("short")
+    with pytest.raises(ValueError, match=r"at least 16 characters"):
+        read_admin_key(str(key_file))

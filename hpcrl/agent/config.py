@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 Export = Literal["concat", "individual"]
 EXPORTS: tuple[str, ...] = get_args(Export)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -19,6 +20,9 @@ class AgentConfig:
     max_concurrent_episodes: int = 64  # episodes one rollout job runs at once (admission keeps this many busy)
     host: str = "127.0.0.1"  # where the proxy listens (loopback: only this job's agents reach it)
     port: int = 0  # the proxy's port (0 = a free one)
+    # a file (mode 600) holding the key of the proxy's admin API (/admin/sessions: add keys, set rewards, end
+    # episodes, for agents and graders outside the job); "" = no admin API. Needed to listen beyond loopback.
+    admin_key_file: str = ""
     # how an episode's model calls become training samples: concat = one sequence of the conversation (what the
     # model did not write loss-masked); individual = each call its own sample (its prompt, its output)
     export: Export = "concat"
@@ -44,6 +48,8 @@ class AgentConfig:
         if self.turn_discount != 1.0 and self.export != "individual":
             raise ValueError(f"turn_discount: discounts the turns of export=individual only, got "
                              f"{self.turn_discount} with export={self.export!r} (a concat episode is one sample)")
-        if self.host not in ("127.0.0.1", "localhost", "::1"):  # the sessions' keys are the only guard
-            raise ValueError(f"host: the proxy binds loopback only (127.0.0.1, localhost, ::1), got {self.host!r}; "
-                             "agent programs run inside the rollout job")
+        if self.admin_key_file and not self.fn:
+            raise ValueError("admin_key_file: the admin API is the agent proxy's; set agent.fn")
+        if self.host not in LOOPBACK and not self.admin_key_file:
+            raise ValueError(f"host: {self.host!r} is not loopback ({', '.join(LOOPBACK)}): a proxy other nodes "
+                             "reach needs agent.admin_key_file (its admin key guards the sessions' keys)")

@@ -28,6 +28,19 @@ start with an earlier call's messages and the assistant reply the proxy gave
 for it, the new prompt is that call's prompt and output token ids followed
 by the rendering of what was added, never a re-tokenisation of the reply.
 
+Admin endpoints, for agents and graders outside the rollout job; off
+(404) unless the proxy has an admin key, and answered only with it (Bearer;
+401 otherwise):
+
+- ``GET /admin/sessions``: the open sessions (key, episode, calls, reward,
+  age);
+- ``POST /admin/sessions`` ``{"parent": key}``: another key for the same
+  episode (a sub-agent's); its calls join the episode's, and it closes with it;
+- ``POST /admin/sessions/{key}/reward`` ``{"reward": r}``: the episode's
+  reward when the agent function returns ``None`` or the session is ended;
+- ``POST /admin/sessions/{key}/end``: the episode is over: its keys die, and
+  the rollout job stops waiting for the function (it is cancelled).
+
 Lifecycle: build one :class:`AgentProxy` per rollout job with a ``generate``
 coroutine (prompt ids, max new tokens -> a finished
 :class:`~hpcrl.rollout.engine.Completion`); :meth:`AgentProxy.open` gives
@@ -39,8 +52,11 @@ traceback.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
+import os
 import re
 import secrets
 import time
@@ -57,7 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 from hpcrl.rollout.engine import Completion
 
-__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "parse_tool_calls"]
+__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "parse_tool_calls", "read_admin_key"]
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +97,35 @@ class Call:
 
 @dataclass
 class Session:
-    """The calls of one episode, in the order they finished."""
+    """The calls of one episode, in the order they finished, whichever of its keys made them."""
 
     key: str
     episode: Hashable
     calls: list[Call] = field(default_factory=list)
     opened: float = field(default_factory=time.time)
+    keys: list[str] = field(default_factory=list)  # the episode's keys: its own, then those added by the admin
+    reward: float | None = None  # set through the admin API
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when the admin API ends the episode
+
+
+MIN_ADMIN_KEY = 16
+
+
+def read_admin_key(path: str) -> str:
+    """The admin key kept in ``path`` (``agent.admin_key_file``): one line, at least 16 characters, in a file
+    that only its owner can read (it opens every episode's conversation and sets rewards)."""
+    try:
+        mode = os.stat(path).st_mode
+        key = open(path).read().strip()
+    except OSError as e:
+        raise ValueError(f"agent.admin_key_file: cannot read {path!r}: {e.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(f"agent.admin_key_file: {path!r} is readable by others (mode {mode & 0o777:o}); "
+                         f"chmod 600 it")
+    if len(key) < MIN_ADMIN_KEY or any(c.isspace() for c in key):
+        raise ValueError(f"agent.admin_key_file: {path!r} must hold one key of at least {MIN_ADMIN_KEY} "
+                         "characters without spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return key
 
 
 # -- request bodies ------------------------------------------------------------
@@ -105,6 +144,14 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ParentBody(BaseModel):
+    parent: str
+
+
+class RewardBody(BaseModel):
+    reward: float
 
 
 class ChatBody(_Body):
@@ -133,9 +180,10 @@ class AgentProxy:
     """The proxy's state (sessions, the tokenizer, the engine's ``generate``) and its FastAPI ``app``."""
 
     def __init__(self, tokenizer, generate: Generate, *, model_name: str = "hpcrl-policy",
-                 max_tokens: int = 256) -> None:
+                 max_tokens: int = 256, admin_key: str | None = None) -> None:
         self.tokenizer, self.generate = tokenizer, generate
         self.model_name, self.max_tokens = model_name, max_tokens
+        self.admin_key = admin_key  # None: no admin API (404)
         self.sessions: dict[str, Session] = {}
         self.template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
         self.app = self._build_app()
@@ -143,21 +191,44 @@ class AgentProxy:
     # -- sessions ------------------------------------------------------------------
     def open(self, episode: Hashable) -> str:
         """A new session for ``episode``; its API key."""
-        key = "sk-hpcrl-" + secrets.token_urlsafe(24)
-        self.sessions[key] = Session(key, episode)
+        key = _new_key()
+        self.sessions[key] = Session(key, episode, keys=[key])
         return key
 
+    def add_key(self, key: str) -> str:
+        """Another API key for the episode of the open session ``key`` (a sub-agent's)."""
+        session = self.sessions[key]
+        other = _new_key()
+        session.keys.append(other)
+        self.sessions[other] = session
+        return other
+
     def close(self, key: str) -> Session:
-        """End a session (later calls with its key get 401); its calls."""
-        return self.sessions.pop(key)
+        """End a session (later calls with any of its keys get 401); its calls."""
+        session = self.sessions[key]
+        for k in session.keys:
+            self.sessions.pop(k, None)
+        return session
 
     def _session(self, request: Request) -> Session:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = _bearer(request)
         session = self.sessions.get(key)
         if session is None:
             raise ProxyError(401, "no open episode has this API key" if key else "missing API key (Bearer)",
                              "invalid_api_key")
+        return session
+
+    def _admin(self, request: Request, key: str | None = None) -> Session | None:
+        """Check the admin key (404 when there is no admin API); the open session ``key`` if one is named."""
+        if self.admin_key is None:
+            raise ProxyError(404, "not found: the admin API is off (agent.admin_key_file)", "not_found")
+        if not secrets.compare_digest(_bearer(request).encode(), self.admin_key.encode()):
+            raise ProxyError(401, "the admin API needs the admin key (Bearer)", "invalid_api_key")
+        if key is None:
+            return None
+        session = self.sessions.get(key)
+        if session is None:
+            raise ProxyError(404, "no open episode has this key", "session_not_found", "key")
         return session
 
     # -- rendering -----------------------------------------------------------------
@@ -264,6 +335,36 @@ class AgentProxy:
             log.exception("agent proxy: request failed")
             return _error(500, f"internal error ({type(e).__name__})", "internal_error", kind="server_error")
 
+        @app.get("/admin/sessions")
+        async def sessions(request: Request) -> dict:
+            self._admin(request)
+            now = time.time()
+            return {"object": "list", "data": [
+                {"id": key, "episode": str(s.episode), "keys": len(s.keys), "calls": len(s.calls),
+                 "reward": s.reward, "age_s": round(now - s.opened, 3)}
+                for key, s in self.sessions.items() if key == s.key]}
+
+        @app.post("/admin/sessions")
+        async def add_key(body: ParentBody, request: Request) -> dict:
+            self._admin(request, body.parent)
+            return {"api_key": self.add_key(body.parent)}
+
+        @app.post("/admin/sessions/{key}/reward")
+        async def set_reward(key: str, body: RewardBody, request: Request) -> dict:
+            session = self._admin(request, key)
+            if not math.isfinite(body.reward):
+                raise ProxyError(400, f"reward: must be a finite number, got {body.reward}", "invalid_request",
+                                 "reward")
+            session.reward = body.reward
+            return {"id": session.key, "reward": session.reward}
+
+        @app.post("/admin/sessions/{key}/end")
+        async def end(key: str, request: Request) -> dict:
+            session = self._admin(request, key)
+            self.close(key)
+            session.ended.set()
+            return {"id": session.key, "calls": len(session.calls), "reward": session.reward}
+
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
             self._session(request)
@@ -319,6 +420,15 @@ class AgentProxy:
     def _completion_logprobs(self, call: Call) -> dict:
         toks = [self.decode([t], False) for t in call.output_ids]
         return {"tokens": toks, "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
+
+
+def _new_key() -> str:
+    return "sk-hpcrl-" + secrets.token_urlsafe(24)
+
+
+def _bearer(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

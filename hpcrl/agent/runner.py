@@ -14,9 +14,12 @@ Lifecycle:
 2. ``start(key, ...)`` schedules an episode on the loop. Its engine calls
    become requests queued for the rollout loop's thread, which submits them
    in ``finished()``; their completions come back through ``collect()``.
-3. When the function returns (its number is the reward; anything else, NaN
-   and inf included, is "invalid" and 0), raises, or runs past
-   ``agent.timeout_s`` (reward 0 then), the session is closed and its calls
+3. When the function returns (its number is the reward; ``None`` takes the
+   reward set through the proxy's admin API; anything else, NaN and inf
+   included, is "invalid" and 0), raises, runs past ``agent.timeout_s``
+   (reward 0 then), or the admin API ends the session (the function is
+   cancelled; the reward set through the API, else "invalid" and 0), the
+   session is closed and its calls
    exported as ``agent.export`` says (:mod:`hpcrl.agent.export`: one
    sequence, or with ``individual`` one part per call, each with its prompt
    and its share of the reward); ``finished()`` hands the episode to the
@@ -34,6 +37,7 @@ import inspect
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import Counter
@@ -41,7 +45,7 @@ from typing import Any, Awaitable, Callable
 
 from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import Exported, concat, individual
-from hpcrl.agent.proxy import AgentProxy, Call, ProxyError
+from hpcrl.agent.proxy import AgentProxy, Call, ProxyError, read_admin_key
 from hpcrl.data.rows import Row
 from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
@@ -85,7 +89,9 @@ class AgentEpisodes:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
-        self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens)
+        admin_key = read_admin_key(cfg.admin_key_file) if cfg.admin_key_file else None
+        self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens,
+                                admin_key=admin_key)
         self._server = uvicorn.Server(uvicorn.Config(self.proxy.app, host=cfg.host, port=cfg.port,
                                                      log_level="warning", lifespan="off",
                                                      timeout_graceful_shutdown=5))
@@ -99,7 +105,7 @@ class AgentEpisodes:
                 raise RuntimeError("agent proxy: not listening after 30 s")
             time.sleep(0.02)
         port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://{cfg.host}:{port}/v1"
+        self.base_url = f"http://{advertised_host(cfg.host)}:{port}/v1"
         self._limit = asyncio.run_coroutine_threadsafe(self._semaphore(), self.loop).result()
         log.info("agent proxy listening on %s (fn %s)", self.base_url, getattr(fn, "__qualname__", fn))
 
@@ -191,10 +197,21 @@ class AgentEpisodes:
     async def _run_episode(self, key: EpisodeKey, run: int, data: dict[str, Any]) -> None:
         async with self._limit:
             api_key = self.proxy.open(key)
+            session = self.proxy.sessions[api_key]
             status, reward = "ok", 0.0
+            fn = asyncio.ensure_future(self.fn(data, base_url=self.base_url, api_key=api_key))
+            ended = asyncio.ensure_future(session.ended.wait())
             try:
-                value = await asyncio.wait_for(self.fn(data, base_url=self.base_url, api_key=api_key),
-                                               self.cfg.timeout_s)
+                done, _ = await asyncio.wait({fn, ended}, timeout=self.cfg.timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if fn in done:
+                    value = fn.result()  # raises what the function raised
+                    value = session.reward if value is None else value
+                elif ended in done:
+                    value = session.reward
+                    self.stats["ended_by_admin"] += 1
+                else:
+                    raise asyncio.TimeoutError
                 reward, status, detail = to_reward(value)  # NaN, inf, strings, None: "invalid", 0
                 if status != "ok":
                     log.warning("agent episode %s %s", key, detail)
@@ -209,7 +226,11 @@ class AgentEpisodes:
                 status = "error"
                 log.warning("agent episode %s raised %s: %s", key, type(e).__name__, e)
             finally:
-                session = self.proxy.close(api_key)
+                for task in (fn, ended):
+                    task.cancel()
+                    task.add_done_callback(_retrieved)  # what a cancelled function raises on its way out
+                if api_key in self.proxy.sessions:  # not ended through the admin API
+                    self.proxy.close(api_key)
         exported, conversation = self._export(session.calls)
         if exported is None:
             status = "no_call" if status == "ok" else status
@@ -231,3 +252,13 @@ class AgentEpisodes:
         branch = concat(calls)
         exported = individual(calls, self.cfg.turn_discount) if self.cfg.export == "individual" else branch
         return exported, branch.episode.response_ids if branch is not None else []
+
+
+def advertised_host(host: str) -> str:
+    """The host name agents reach the proxy at: the bound address, or this node's name for a wildcard bind."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("agent function after the episode ended: %r", task.exception())
