@@ -71,6 +71,8 @@ class RunConfig:
             raise ValueError(f"algo.temperature: {self.algo.temperature} differs from rollout.temperature "
                              f"{self.rollout.temperature}; the trainer's log-probabilities must use the temperature "
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
+        if self.eval.agent and not self.agent.fn:
+            raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
         if self.model.dtype == "float16" and self.trainer.engine == "fsdp":
             raise ValueError("model.dtype: float16 training needs loss scaling, which the fsdp trainer does not do "
                              "(its gradients would underflow); use bfloat16, or float32")

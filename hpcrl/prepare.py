@@ -17,6 +17,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from hpcrl import atomic
 from hpcrl.config import RunConfig
@@ -27,6 +28,9 @@ from hpcrl.model.hf_io import load_tokenizer, unknown_characters
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
 from hpcrl.reward.runner import RewardRunner, load_function
 from hpcrl.sft.warm_start import warm_start
+
+if TYPE_CHECKING:
+    from hpcrl.eval.accuracy import EvalResult
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,28 @@ def scorer(runner: RewardRunner):
     def score(prompt: str, response: str, row: Row) -> float:
         return runner.score(prompt, response, {"answer": row.answer, **row.extra}).reward
     return score
+
+
+Measure = Callable[..., "EvalResult"]  # (model, rows, after_batch=None) -> EvalResult
+
+
+def held_out(cfg: RunConfig, tokenizer, runner: RewardRunner) -> Measure:
+    """How the run measures held-out accuracy: one greedy completion per prompt scored by the reward
+    function, or with ``eval.agent`` the agent function's episodes over greedy completions."""
+    from hpcrl.eval.accuracy import greedy_accuracy
+
+    if cfg.eval.agent:
+        from hpcrl.agent.runner import load_agent_fn
+        from hpcrl.eval.agent import agent_accuracy
+
+        fn = load_agent_fn(cfg.agent.fn)
+        return lambda model, rows, after_batch=None: agent_accuracy(
+            model, tokenizer, rows, fn, max_new_tokens=cfg.rollout.max_new_tokens, timeout_s=cfg.agent.timeout_s,
+            concurrency=cfg.agent.max_concurrent_episodes, batch_size=cfg.eval.batch_size, after_batch=after_batch)
+    score = scorer(runner)
+    return lambda model, rows, after_batch=None: greedy_accuracy(
+        model, tokenizer, rows, score, max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.eval.batch_size,
+        chat_template=cfg.data.chat_template, after_batch=after_batch)
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:

@@ -11,9 +11,10 @@ try again", a second answer; reward 1 / 0.5 / 0). ``--example tool``
 reward 1 / 0). Both are trained through the rollout's OpenAI-compatible
 proxy. Reported:
 
-* held-out greedy accuracy at the start and the end (the first turn's
-  answer, what the trainer's evaluation measures; the tool agent's first
-  turn is its tool call, so its evaluation reads about 0);
+* held-out accuracy at the start and the end: for the feedback agent the
+  greedy first turn's answer; for the tool agent (``eval.agent: true`` in
+  its config) the mean reward of the agent's own greedy episodes, tool calls
+  and all;
 * from the trained spool groups, over the first and the last ``--window``
   steps: the first-try rate (reward 1), the any-try rate (reward > 0), the
   mean reward and the mean number of trained turns per episode; for the
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                    "total_wall_s": time.time() - t0}
     (e0, a0), (e1, a1) = rep["eval"][0], rep["eval"][-1]
     f, la = rep["first_window"], rep["last_window"]
-    print(f"held-out first-turn accuracy: {100 * a0:.1f}% (step {e0}) -> {100 * a1:.1f}% (step {e1})")
+    what = "agent episodes' (eval.agent)" if args.example == "tool" else "first-turn"
+    print(f"held-out {what} accuracy: {100 * a0:.1f}% (step {e0}) -> {100 * a1:.1f}% (step {e1})")
     for name, w in (("first", f), ("last", la)):
         print(f"{name} {args.window} steps: first-try {100 * w['first_try']:.1f}%  any-try {100 * w['any_try']:.1f}%  "
               f"reward {w['reward']:.3f}  turns {w['turns']:.2f}  ({w['samples']} samples)"

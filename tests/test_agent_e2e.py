@@ -107,3 +107,6 @@ def test_the_tool_example_runs_from_its_config(tmp_path) -> None:
     groups = [read_group(p) for p in (run / "spool").rglob("*.h5")]
     assert groups and all(len(g.meta["reward_status"]) == 2 for g in groups)
     assert all(s.reward in (0.0, 1.0) for g in groups for s in g.samples)
+    evals = [r for r in read_metrics(run / "logs" / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]  # eval.agent: the agent's episodes on the held-out rows
+    assert all(r["eval/accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0) and r["eval/calls_per_episode"] >= 1 for r in evals)

@@ -130,7 +130,7 @@ def test_a_resume_with_evaluation_in_the_trainer_evaluates_what_the_component_le
     """eval.* may change on --resume: snapshots a component never got to are evaluated by the trainer."""
     from hpcrl.eval.config import EvalConfig
     from hpcrl.model.hf_io import load_tokenizer
-    from hpcrl.prepare import load_datasets, load_prepared, scorer
+    from hpcrl.prepare import held_out, load_datasets, load_prepared
     from hpcrl.reward.runner import RewardRunner
     from hpcrl.trainer.report import Reporter
 
@@ -143,7 +143,7 @@ def test_a_resume_with_evaluation_in_the_trainer_evaluates_what_the_component_le
     _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(work / "logs", EvalConfig(every_steps=4, size=40), 8, model_path=prep.init_model,
-                        tokenizer=tokenizer, eval_rows=rows, score=scorer(runner), max_new_tokens=4)
+                        eval_rows=rows, measure=held_out(cfg, tokenizer, runner))
     try:
         reporter.start(8)
     finally:

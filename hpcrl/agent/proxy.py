@@ -73,7 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 from hpcrl.rollout.engine import Completion
 
-__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "parse_tool_calls", "read_admin_key"]
+__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "listen", "parse_tool_calls", "read_admin_key"]
 
 log = logging.getLogger(__name__)
 
@@ -420,6 +420,25 @@ class AgentProxy:
     def _completion_logprobs(self, call: Call) -> dict:
         toks = [self.decode([t], False) for t in call.output_ids]
         return {"tokens": toks, "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
+
+
+async def listen(app: FastAPI, host: str, port: int, timeout_s: float = 30.0):
+    """Serve ``app`` with uvicorn on the running loop; (server, its serving task, the bound port) once it listens.
+    Stop it with ``server.should_exit = True`` and await the task."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    serving = asyncio.ensure_future(server.serve())
+    deadline = time.time() + timeout_s
+    while not server.started:
+        if serving.done():
+            serving.result()  # raises what stopped it (port in use...)
+            raise RuntimeError("agent proxy: the server stopped before it started")
+        if time.time() > deadline:
+            raise RuntimeError(f"agent proxy: not listening after {timeout_s:.0f} s")
+        await asyncio.sleep(0.02)
+    return server, serving, server.servers[0].sockets[0].getsockname()[1]
 
 
 def _new_key() -> str:

@@ -39,13 +39,12 @@ import logging
 import queue
 import socket
 import threading
-import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
 from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import Exported, concat, individual
-from hpcrl.agent.proxy import AgentProxy, Call, ProxyError, read_admin_key
+from hpcrl.agent.proxy import AgentProxy, Call, ProxyError, listen, read_admin_key
 from hpcrl.data.rows import Row
 from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
@@ -70,8 +69,6 @@ def load_agent_fn(path: str) -> AgentFn:
 class AgentEpisodes:
     def __init__(self, engine: InferenceEngine, tokenizer, cfg: AgentConfig, fn: AgentFn, *,
                  max_tokens: int, model_name: str = "hpcrl-policy") -> None:
-        import uvicorn
-
         self.engine, self.cfg, self.fn = engine, cfg, fn
         self.stats: Counter = Counter()  # ok / error / timeout / no_call episodes, off-branch calls
         self._ids = itertools.count()
@@ -92,19 +89,8 @@ class AgentEpisodes:
         admin_key = read_admin_key(cfg.admin_key_file) if cfg.admin_key_file else None
         self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens,
                                 admin_key=admin_key)
-        self._server = uvicorn.Server(uvicorn.Config(self.proxy.app, host=cfg.host, port=cfg.port,
-                                                     log_level="warning", lifespan="off",
-                                                     timeout_graceful_shutdown=5))
-        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self.loop)
-        deadline = time.time() + 30
-        while not self._server.started:
-            if self._serving.done():
-                self._serving.result()  # raises what stopped it (port in use...)
-                raise RuntimeError("agent proxy: the server stopped before it started")
-            if time.time() > deadline:
-                raise RuntimeError("agent proxy: not listening after 30 s")
-            time.sleep(0.02)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._server, self._serving, port = asyncio.run_coroutine_threadsafe(
+            listen(self.proxy.app, cfg.host, cfg.port), self.loop).result()
         self.base_url = f"http://{advertised_host(cfg.host)}:{port}/v1"
         self._limit = asyncio.run_coroutine_threadsafe(self._semaphore(), self.loop).result()
         log.info("agent proxy listening on %s (fn %s)", self.base_url, getattr(fn, "__qualname__", fn))
@@ -165,7 +151,7 @@ class AgentEpisodes:
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-            self._serving.result(10)
+            asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._serving, 10), self.loop).result(15)
         except Exception as e:  # noqa: BLE001 - closing: report, never mask the caller's error
             log.warning("agent proxy: stopping it: %s", e)
         finally:

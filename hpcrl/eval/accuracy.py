@@ -30,6 +30,7 @@ class EvalResult:
     accuracy: float  # mean score over the rows
     n: int  # number of rows evaluated
     examples: list[tuple[str, str, str, float]] = field(default_factory=list)  # first few
+    metrics: dict[str, float] = field(default_factory=dict)  # more "eval/..." entries for the run's record
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,9 @@ class EvalConfig:
     mode: Literal["trainer", "component"] = "trainer"
     poll_s: float = 1.0  # component: how often it looks for a new version to evaluate
     threads: int = 1  # component: torch threads of the evaluation process
+    # run the agent function (agent.fn) on each held-out row against greedy completions; the accuracy is the
+    # mean of its rewards (false: one greedy completion of the prompt, scored by the reward function)
+    agent: bool = False
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether the version after trainer step ``step`` is evaluated (every ``every_steps``, and the last)."""

@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 from hpcrl.config import RunConfig, load_saved
-from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.eval.snapshots import EvalLog, Snapshot, Snapshots
 from hpcrl.model.hf_io import load_model, load_tokenizer
-from hpcrl.prepare import load_datasets, load_prepared, scorer
+from hpcrl.prepare import held_out, load_datasets, load_prepared
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.runtime.device import detect
 from hpcrl.runtime.heartbeat import Heartbeat
@@ -66,7 +65,7 @@ class Evaluator:
         _, rows = load_datasets(cfg, self.tokenizer, Path(prep.train_path), Path(prep.eval_path))
         self.rows = rows[: cfg.eval.size]
         self.runner = RewardRunner(cfg.reward)
-        self.score = scorer(self.runner)
+        self.measure = held_out(cfg, self.tokenizer, self.runner)
         self.evaluated = 0
 
     def _after_batch(self, done: int) -> None:
@@ -83,10 +82,8 @@ class Evaluator:
             from safetensors.torch import load_file
 
             self.model.load_state_dict(load_file(str(snap.weights), device=str(self.device)), strict=False)
-        res = greedy_accuracy(self.model, self.tokenizer, self.rows, self.score,
-                              max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=self.cfg.eval.batch_size,
-                              chat_template=self.cfg.data.chat_template, after_batch=self._after_batch)
-        self.log.append({"step": version, "eval/accuracy": res.accuracy, "eval/n": res.n,
+        res = self.measure(self.model, self.rows, after_batch=self._after_batch)
+        self.log.append({"step": version, "eval/accuracy": res.accuracy, "eval/n": res.n, **res.metrics,
                          "time/eval_s": time.time() - t, "time/elapsed_s": snap.elapsed_s if snap else 0.0,
                          "eval/snapshot": ident, **({"eval/lag_s": time.time() - snap.put_at} if snap else {})},
                         self.fence)

@@ -48,7 +48,7 @@ from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
-from hpcrl.prepare import Prepared, load_datasets, load_prepared, scorer
+from hpcrl.prepare import Prepared, held_out, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.spool.format import TrajectoryGroup
@@ -183,8 +183,7 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
                      cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
-                        tokenizer=tokenizer, eval_rows=eval_rows, score=scorer(runner),
-                        max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template,
+                        eval_rows=eval_rows, measure=held_out(cfg, tokenizer, runner),
                         instance=fence.instance if fence else "", fence=fence)
     return feed, reporter, runner
 

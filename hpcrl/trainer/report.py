@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from hpcrl.data.rows import Row
-from hpcrl.eval.accuracy import greedy_accuracy
+from hpcrl.eval.accuracy import EvalResult
 from hpcrl.eval.config import EvalConfig
 from hpcrl.eval.snapshots import Snapshots
 from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
@@ -67,9 +67,10 @@ def group_stats(groups: list[TrajectoryGroup], version: int) -> dict[str, float]
 
 
 class Reporter:
-    def __init__(self, log_dir, eval_cfg: EvalConfig, total_steps: int, *, model_path: str, tokenizer,
-                 eval_rows: list[Row], score, max_new_tokens: int, chat_template: bool = False,
-                 instance: str = "", fence: Fence | NoFence | None = None) -> None:
+    def __init__(self, log_dir, eval_cfg: EvalConfig, total_steps: int, *, model_path: str, eval_rows: list[Row],
+                 measure: Callable[..., EvalResult], instance: str = "",
+                 fence: Fence | NoFence | None = None) -> None:
+        """``measure(model, rows)``: the run's held-out accuracy (:func:`hpcrl.prepare.held_out`)."""
         self.writer = MetricsWriter(log_dir)
         self.cfg, self.total_steps = eval_cfg, total_steps
         component = eval_cfg.mode == "component"
@@ -78,8 +79,7 @@ class Reporter:
         self.instance, self.fence = instance, fence or NoFence()
         # version -> its published model.safetensors (disk weights: the snapshot links it instead of a copy)
         self.published: Callable[[int], Path | None] = lambda version: None
-        self.tokenizer, self.rows, self.score = tokenizer, eval_rows[: eval_cfg.size], score
-        self.max_new_tokens, self.chat_template = max_new_tokens, chat_template
+        self.rows, self.measure = eval_rows[: eval_cfg.size], measure
         self.t0 = time.time()  # this leg's process start
         self.loop_start: float | None = None  # this leg's training loop start
         self.samples_total = 0.0  # over all legs, committed steps only
@@ -104,20 +104,20 @@ class Reporter:
     def train_s(self) -> float:
         return self.train_before + (time.time() - self.loop_start if self.loop_start is not None else 0.0)
 
-    def evaluate(self, state_dict: Mapping[str, torch.Tensor] | None) -> float:
+    def evaluate(self, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, float]:
+        """The record's ``eval/...`` entries for ``state_dict`` (None: the model as loaded)."""
         if state_dict is not None:
             self.model.load_state_dict(state_dict, strict=False)
-        res = greedy_accuracy(self.model, self.tokenizer, self.rows, self.score, max_new_tokens=self.max_new_tokens,
-                              batch_size=self.cfg.batch_size, chat_template=self.chat_template)
-        return res.accuracy
+        res = self.measure(self.model, self.rows)
+        return {"eval/accuracy": res.accuracy, **res.metrics}
 
     def start(self, version: int) -> None:
         """The training loop begins at ``version`` (0 for a new run, the checkpoint's step for a resumed leg)."""
         if self.cfg.at_start and version == 0 and self.snapshots is None:
             t = time.time()
-            acc = self.evaluate(None)
-            self.write({"step": version, "eval/accuracy": acc, "time/eval_s": time.time() - t})
-            log.info("step %d: held-out greedy accuracy %.3f", version, acc)
+            evaluated = self.evaluate(None)
+            self.write({"step": version, **evaluated, "time/eval_s": time.time() - t})
+            log.info("step %d: held-out greedy accuracy %.3f", version, evaluated["eval/accuracy"])
         elif version > 0:
             log.info("leg %d resumes at step %d (%.0f samples and %.0fs of training before it)", self.leg, version,
                      self.samples_total, self.train_before)
@@ -137,11 +137,11 @@ class Reporter:
         for snap in pending.pending():
             if snap.id not in recorded:
                 t = time.time()
-                acc = self.evaluate(load_file(str(snap.weights)))
-                self.write({"step": snap.version, "eval/accuracy": acc, "time/eval_s": time.time() - t,
+                evaluated = self.evaluate(load_file(str(snap.weights)))
+                self.write({"step": snap.version, **evaluated, "time/eval_s": time.time() - t,
                             "eval/snapshot": snap.id, "time/elapsed_s": snap.elapsed_s})
                 log.info("step %d: held-out greedy accuracy %.3f (left over by the evaluation component)",
-                         snap.version, acc)
+                         snap.version, evaluated["eval/accuracy"])
             pending.remove(snap)
 
     def due(self, step: int) -> bool:
@@ -165,7 +165,7 @@ class Reporter:
             record["time/snapshot_s"] = time.time() - t
         elif self.due(step) and state_dict is not None:
             t = time.time()
-            record["eval/accuracy"] = self.evaluate(state_dict)
+            record.update(self.evaluate(state_dict))
             record["time/eval_s"] = time.time() - t
         self.write(record)
 
