@@ -92,7 +92,7 @@ def test_a_parallel_gpt_model_computes_the_hf_logits_and_gathers_the_hf_weights(
     assert results[0]["names_differ"] == [] and results[0]["unequal"] == [], results[0]
 
 
-def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens) -> None:
+def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens, pp=1) -> None:
     """Two steps of the default objective with SGD (linear in the gradient, so a wrong loss or gradient scale
     shows), then the HF weights and the step statistics on rank 0."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -108,7 +108,7 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     ctx = init_from_env("gloo")
     cfg = TrainerConfig(engine=engine_name, world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
                         micro_batch_tokens=micro_tokens, n_minibatches=2, grad_clip=0.5,
-                        megatron=MegatronSettings(tensor_parallel=tp))
+                        megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp))
     engine = build_train_engine(engine_name, model_path, cfg, AlgoConfig(), ctx, pad_id=0)
     engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=0.5)
     engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
@@ -120,31 +120,37 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     torch.distributed.destroy_process_group()
 
 
-def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000) -> dict:
+def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000, pp=1) -> dict:
     from spawn_ranks import spawn_ranks
 
-    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens)
+    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens, pp)
     return torch.load(out)
 
 
-@pytest.mark.parametrize("world,tp,micro_tokens", [(1, 1, 100_000), (2, 2, 32), (2, 1, 32)],
-                         ids=["1 rank", "TP=2", "DP=2 many micro-batches"])
-def test_megatron_steps_equal_the_fsdp_engine(tmp_path, world, tp, micro_tokens) -> None:
-    """Two steps (2 minibatches each, gradient clipping active) on the same batch give the weights and the loss
-    of the FSDP2 engine on 1 rank, within float32 rounding."""
-    model_path = tmp_path / "model"
+@pytest.fixture(scope="module")
+def fsdp_steps(tmp_path_factory):
+    """The model, its initial weights, and the FSDP2 engine's two steps on 1 rank: what every layout must give."""
+    root = tmp_path_factory.mktemp("fsdp-steps")
     model = qwen3(tied=True, kv_heads=2, layers=2, vocab=40)
     model.config.pad_token_id = 0
-    model.save_pretrained(model_path)
-    ref = _train(1, model_path, tmp_path / "fsdp.pt", "fsdp")
-    got = _train(world, model_path, tmp_path / "megatron.pt", "megatron", tp, micro_tokens)
-    w0 = model.state_dict()
+    model.save_pretrained(root / "model")
+    return root / "model", model.state_dict(), _train(1, root / "model", root / "fsdp.pt", "fsdp")
+
+
+@pytest.mark.parametrize("world,tp,pp,micro_tokens", [(1, 1, 1, 100_000), (2, 2, 1, 32), (2, 1, 1, 32),
+                                                     (2, 1, 2, 32), (4, 2, 2, 100_000)],
+                         ids=["1 rank", "TP=2", "DP=2 many micro-batches", "PP=2 many micro-batches", "TPxPP=2x2"])
+def test_megatron_steps_equal_the_fsdp_engine(tmp_path, fsdp_steps, world, tp, pp, micro_tokens) -> None:
+    """Two steps (2 minibatches each, gradient clipping active) on the same batch give the weights and the loss
+    of the FSDP2 engine on 1 rank, within float32 rounding."""
+    model_path, w0, ref = fsdp_steps
+    got = _train(world, model_path, tmp_path / "megatron.pt", "megatron", tp, micro_tokens, pp)
     assert max((ref["weights"][k] - w0[k]).abs().max().item() for k in w0) > 1e-3  # the steps moved the weights
     assert got["weights"].keys() == ref["weights"].keys()
     for k in ref["weights"]:
         torch.testing.assert_close(got["weights"][k], ref["weights"][k], atol=2e-5, rtol=1e-4)
     # loss and gradient norm are global; token means such as the clip fraction are of rank 0's own tokens
-    keys = ("loss/value", "grad/norm") + (("loss/clip_fraction",) if world == tp else ())
+    keys = ("loss/value", "grad/norm") + (("loss/clip_fraction",) if world == tp * pp else ())
     for a, b in zip(got["stats"], ref["stats"]):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

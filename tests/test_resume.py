@@ -383,12 +383,13 @@ def test_a_lora_trainer_resumes_bit_identically_and_exports_merged_weights(tmp_p
         started_from(tmp_path / "c", assets, tmp_path / "a", "")
 
 
-def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets) -> None:
-    """trainer.engine=megatron with tensor_parallel=2 (gloo): killed -9 after step 4 and resumed from the step-3
-    checkpoint (each TP rank's slices of the weights and of AdamW's state), the published weights equal an
-    uninterrupted run's bit for bit, and every group is trained once."""
+@pytest.mark.parametrize("parallel", ["tensor_parallel", "pipeline_parallel"])
+def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) -> None:
+    """trainer.engine=megatron with tensor_parallel=2 or pipeline_parallel=2 (gloo): killed -9 after step 4 and
+    resumed from the step-3 checkpoint (each rank's slices of the weights and of AdamW's state), the published
+    weights equal an uninterrupted run's bit for bit, and every group is trained once."""
     pytest.importorskip("megatron.core")
-    megatron = ("trainer.engine=megatron", "trainer.megatron.tensor_parallel=2")
+    megatron = ("trainer.engine=megatron", f"trainer.megatron.{parallel}=2")
     a = uninterrupted(tmp_path / "a", assets, 2, megatron)
     b = killed_and_resumed(tmp_path / "b", assets, 2, 2, megatron)
     init = load_file(str(assets / "model" / "model.safetensors"))
@@ -396,7 +397,7 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rep = audit(tmp_path / "b")
     assert rep.ok and rep.trained_groups == STEPS * B, rep.violations
-    from ckpt_tools.__main__ import main as tools  # the final checkpoint as an HF folder: TP slices merged
+    from ckpt_tools.__main__ import main as tools  # the final checkpoint as an HF folder: the slices merged
 
     assert tools(["to-hf", str(tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}"), str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -21,10 +21,19 @@ the norm counts each tensor-parallel slice once and each replicated
 parameter once. So one step equals the FSDP2 engine's step on the same batch
 (``tests/test_megatron.py``).
 
-Not yet: pipeline parallelism in training (the model side has it: a forward
-through the stages and the gathering of weights), a critic (GAE), LoRA and
-bfloat16; each is refused by name. A checkpoint reloads onto the same
-tensor-parallel size only.
+Pipeline parallelism (``trainer.megatron.pipeline_parallel``): each
+micro-batch goes through the stages one after the other (its hidden states
+sent on over point-to-point), the last stage broadcasts the token logprobs
+to the others, so that every stage computes the same loss and statistics,
+and the backward pass runs back through the stages (each sends the
+gradient of what it received). The schedule is sequential, one micro-batch
+in the pipeline at a time: correct, and as fast as one stage doing all the
+work, not faster (an interleaved 1F1B schedule is what would overlap the
+stages). A tied embedding has a copy on the last stage; their gradients are
+summed over the embedding group, and the norm counts it once.
+
+Not yet: a critic (GAE), LoRA and bfloat16; each is refused by name. A
+checkpoint reloads onto the same tensor- and pipeline-parallel sizes only.
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ from hpcrl.algo.losses import token_logprobs
 from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
-from hpcrl.trainer.mcore import cpu
 from hpcrl.trainer.mcore import model as M
 from hpcrl.trainer.policy import PolicyTrainer, lr_factor
 
@@ -57,9 +65,7 @@ class MegatronEngine(PolicyTrainer):
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
                  pad_id: int, dtype: torch.dtype = torch.float32) -> None:
         settings = cfg.megatron
-        for refused, why in ((settings.pipeline_parallel > 1, "trainer.megatron.pipeline_parallel > 1: pipeline-"
-                              "parallel training is not built yet (set it to 1)"),
-                             (algo.adv_estimator == "gae", "algo.adv_estimator=gae: the megatron engine has no "
+        for refused, why in ((algo.adv_estimator == "gae", "algo.adv_estimator=gae: the megatron engine has no "
                               "critic yet (use trainer.engine=fsdp)"),
                              (cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
                              (dtype != torch.float32, f"model.dtype={dtype}: the megatron engine trains in "
@@ -74,6 +80,7 @@ class MegatronEngine(PolicyTrainer):
 
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp, ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.mp_group = ps.get_model_parallel_group()  # TP x PP: the ranks that hold one replica's parameters
         self.model = M.build(model_path, self.layout, torch.float32)
         self._names = {p: n for n, p in self.model.named_parameters()}
         self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=cfg.lr, betas=tuple(cfg.betas),
@@ -85,22 +92,44 @@ class MegatronEngine(PolicyTrainer):
             self.ref_model = M.build(model_path, self.layout, torch.float32).eval()
             self.ref_model.requires_grad_(False)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
-        log.info("megatron engine: TP %d x DP %d (this rank: TP rank %d, DP rank %d)", self.layout.tp,
-                 self.layout.dp, self.layout.tp_rank, self.layout.dp_rank)
+        log.info("megatron engine: TP %d x PP %d x DP %d (this rank: TP rank %d, stage %d, DP rank %d)",
+                 self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.stage,
+                 self.layout.dp_rank)
 
     # -- the model side of PolicyTrainer ----------------------------------------
     def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
                  entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
         model = model or self.model
-        ids = mb.input_ids
-        b, s = ids.shape
-        positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        out = model(ids, positions, attention_mask=cpu.causal_mask(s))  # right padding: causal is enough
+        out = M.stage_forward(model, mb.input_ids, self.layout)  # right padding: the causal mask is enough
+        if not self.layout.last_stage:
+            return self._from_last_stage(out, mb, entropy)
         logits = out[:, :-1, : model.hf_config.vocab_size].float()
         logp = token_logprobs(logits, mb.targets, self.algo.temperature)
-        if entropy is None:
-            return logp, None
-        return logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)
+        ent = None
+        if entropy is not None:
+            ent = token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)
+        if self.layout.pp > 1:  # every stage computes the same loss and statistics from these
+            from megatron.core import parallel_state as ps
+
+            for t in (logp, ent) if ent is not None else (logp,):
+                dist.broadcast(t.detach(), src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+        return logp, ent
+
+    def _from_last_stage(self, sent: torch.Tensor, mb: B.MicroBatch, entropy: str | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A stage before the last: the logprobs (and entropies) the last stage broadcast, differentiable in the
+        hidden states this stage sent, so that the loss's backward pass runs this stage's part of it."""
+        from megatron.core import parallel_state as ps
+
+        values = [torch.empty(mb.targets.shape) for _ in range(1 if entropy is None else 2)]
+        for t in values:
+            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if not torch.is_grad_enabled():
+            return values[0], values[1] if entropy is not None else None
+        out = M.FromNext.apply(sent, ps.get_pipeline_model_parallel_next_rank(), *values)
+        return out[0], out[1] if entropy is not None else None
 
     def _values(self, mb: B.MicroBatch) -> torch.Tensor:
         raise NotImplementedError("the megatron engine has no critic")
@@ -109,11 +138,17 @@ class MegatronEngine(PolicyTrainer):
         return self.dp_size  # gradients are averaged over the data-parallel group in _clip
 
     def _clip(self, model: torch.nn.Module) -> float:
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         params = [p for p in model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
+        if self.layout.pp > 1 and model.share_embeddings_and_output_weights and ps.is_rank_in_embedding_group():
+            # the first stage's embedding and the last stage's copy of it for the output layer are one weight
+            shared = model.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
         if self.layout.tp > 1:  # each TP rank normalised its own heads' q/k: the weight's gradient is the sum
             for p in params:
                 if "q_layernorm" in self._names[p] or "k_layernorm" in self._names[p]:
@@ -124,10 +159,10 @@ class MegatronEngine(PolicyTrainer):
                 p.grad.div_(self.dp_size)
         sq = torch.zeros(1, dtype=torch.float64)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
                 sq += p.grad.double().pow(2).sum()
-        if self.layout.tp > 1:
-            dist.all_reduce(sq, group=self.tp_group)
+        if self.layout.tp * self.layout.pp > 1:  # every rank ends with the same clipping coefficient
+            dist.all_reduce(sq, group=self.mp_group)
         norm = float(sq.sqrt().item())
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         coef = min(max_norm / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
@@ -142,7 +177,8 @@ class MegatronEngine(PolicyTrainer):
         return M.gather_hf(self.model, self.layout)
 
     def _key(self, name: str) -> str:
-        return f"tp{self.layout.tp}.{self.layout.tp_rank}/{name}"
+        at = f"tp{self.layout.tp}.{self.layout.tp_rank}"
+        return f"{at}.pp{self.layout.pp}.{self.layout.stage}/{name}" if self.layout.pp > 1 else f"{at}/{name}"
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's slices of the model and of AdamW's moments under names that carry its TP rank (data-

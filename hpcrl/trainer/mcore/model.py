@@ -110,9 +110,14 @@ def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config
         raise ValueError(f"HF -> megatron weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _pp_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor | None:
-    """Forward through the stages: each stage receives the previous one's hidden states and sends its own on;
-    the last stage returns the logits (others None)."""
+def stage_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This stage's part of the forward pass of a batch every rank of the model-parallel group passes
+    identically: the last stage returns the logits ``[batch, seq, padded vocab]``; every other stage sends its
+    hidden states ``[seq, batch, hidden]`` on to the next one and returns them.
+
+    Differentiable across stages with grad enabled: the hidden states a stage received send their gradient
+    back to the previous stage as the backward pass reaches them; a stage before the last gets the gradient
+    of what it sent through :class:`FromNext`."""
     from megatron.core import parallel_state as ps
 
     b, s = input_ids.shape
@@ -120,24 +125,43 @@ def _pp_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor 
     mask = cpu.causal_mask(s)
     if layout.pp == 1:
         return model(input_ids, positions, attention_mask=mask)
-    hidden = model.config.hidden_size
     if not layout.first_stage:
-        recv = torch.empty(s, b, hidden, dtype=model.config.params_dtype)
-        dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+        prev = ps.get_pipeline_model_parallel_prev_rank()
+        recv = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(recv, src=prev)
+        if torch.is_grad_enabled():
+            recv.requires_grad_(True)
+            recv.register_hook(lambda grad: dist.send(grad.contiguous(), dst=prev))
         model.set_input_tensor(recv)
     out = model(input_ids if layout.first_stage else None, positions, attention_mask=mask)
     if not layout.last_stage:
         dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        return None
     return out
+
+
+class FromNext(torch.autograd.Function):
+    """On a stage before the last: ``values`` the last stage computed (broadcast to every stage), made
+    differentiable in ``sent``, the hidden states this stage sent on; their gradient is received from the next
+    stage in the backward pass (the gradients of ``values`` themselves are the last stage's to apply)."""
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, next_rank: int, *values: torch.Tensor):
+        ctx.next_rank, ctx.shape, ctx.dtype = next_rank, sent.shape, sent.dtype
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        dist.recv(grad, src=ctx.next_rank)
+        return (grad, None, *(None for _ in grads))
 
 
 @torch.no_grad()
 def forward_logits(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor | None:
     """Full-vocabulary logits ``[batch, seq, vocab]`` of the HF model's vocabulary on the last stage (None on
     the others), for a batch every rank of the model-parallel group passes identically."""
-    out = _pp_forward(model, input_ids, layout)
-    if out is None:
+    out = stage_forward(model, input_ids, layout)
+    if not layout.last_stage:
         return None
     return out[..., : model.hf_config.vocab_size]
 
