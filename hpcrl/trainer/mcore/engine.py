@@ -32,6 +32,9 @@ work, not faster (an interleaved 1F1B schedule is what would overlap the
 stages). A tied embedding has a copy on the last stage; their gradients are
 summed over the embedding group, and the norm counts it once.
 
+``trainer.activation_checkpointing`` recomputes each transformer layer in
+the backward pass (:func:`hpcrl.trainer.mcore.model.checkpoint_layers`).
+
 Not yet: a critic (GAE), LoRA and bfloat16; each is refused by name. A
 checkpoint reloads onto the same tensor- and pipeline-parallel sizes only.
 """
@@ -69,9 +72,7 @@ class MegatronEngine(PolicyTrainer):
                               "critic yet (use trainer.engine=fsdp)"),
                              (cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
                              (dtype != torch.float32, f"model.dtype={dtype}: the megatron engine trains in "
-                              "float32 only so far"),
-                             (cfg.activation_checkpointing, "trainer.activation_checkpointing: not built for the "
-                              "megatron engine yet")):
+                              "float32 only so far")):
             if refused:
                 raise ValueError(why)
         self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
@@ -82,6 +83,8 @@ class MegatronEngine(PolicyTrainer):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: the ranks that hold one replica's parameters
         self.model = M.build(model_path, self.layout, torch.float32)
+        if cfg.activation_checkpointing:
+            M.checkpoint_layers(self.model)
         self._names = {p: n for n, p in self.model.named_parameters()}
         self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)

@@ -95,6 +95,21 @@ def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.flo
     return model
 
 
+def checkpoint_layers(model) -> int:
+    """Activation checkpointing (``trainer.activation_checkpointing``): every transformer layer of this stage
+    keeps only its inputs for the backward pass and runs its forward again there (torch's non-reentrant
+    checkpoint; megatron-core's own ``recompute_granularity`` replays its CUDA RNG tracker's states, and with
+    dropout 0 there is nothing random to replay). Returns the number of layers wrapped."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(model.decoder.layers)
+    for layer in layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+    return len(layers)
+
+
 def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config: Any, layout: Layout,
             pad_vocab_to: int = 1) -> None:
     """Put HF weights into this rank's GPTModel; every parameter must be covered."""
