@@ -73,8 +73,8 @@ class RunConfig:
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
-        if self.model.dtype == "float16" and self.trainer.engine == "fsdp":
-            raise ValueError("model.dtype: float16 training needs loss scaling, which the fsdp trainer does not do "
+        if self.model.dtype == "float16":
+            raise ValueError("model.dtype: float16 training needs loss scaling, which the trainer engines do not do "
                              "(its gradients would underflow); use bfloat16, or float32")
 
 

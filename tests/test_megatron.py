@@ -208,3 +208,65 @@ def test_activation_checkpointing_keeps_less_for_backward_and_takes_the_same_ste
     assert on["layer_calls"] > off["layer_calls"] > 0  # the recompute in backward
     for k, v in off["state"].items():
         torch.testing.assert_close(on["state"][k], v, rtol=0, atol=1e-6)
+
+
+def _dtype_rank(rank, world, port, model_path, out, dtype: str, pp: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from test_trainer import make_groups
+
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer import batch as B
+    from hpcrl.trainer.config import MegatronSettings, TrainerConfig
+    from hpcrl.trainer.engine import build_train_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(engine="megatron", world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
+                        megatron=MegatronSettings(pipeline_parallel=pp))
+    engine = build_train_engine("megatron", model_path, cfg, AlgoConfig(), ctx, pad_id=0, dtype=dtype)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
+    mb = B.collate(seqs, pad_id=0)
+    with torch.no_grad():
+        logp = engine._forward(mb, entropy=None)[0]
+    engine.train_step(seqs)
+    optim = [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+             and v.dim() > 0]
+    state = engine.full_state_dict()
+    if rank == 0:
+        torch.save({"logp": logp, "mask": mb.mask, "state": {k: v.clone() for k, v in state.items()},
+                    "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+                    "master_dtypes": sorted({str(m.dtype) for m in engine.masters.values()}),
+                    "optim_dtypes": sorted({str(v.dtype) for v in optim})}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp) -> None:
+    """model.dtype=bfloat16 with the megatron engine: parameters and compute in bf16, float32 master weights
+    (gradients summed into them in float32), optimizer state, published weights and logprobs in float32; the
+    step goes where the float32 step goes. float16 is refused."""
+    from spawn_ranks import spawn_ranks
+
+    model_path = tmp_path / "model"
+    model = qwen3(tied=True, kv_heads=2, layers=2, vocab=40)
+    model.config.pad_token_id = 0
+    model.save_pretrained(model_path)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        spawn_ranks(_dtype_rank, pp, model_path, tmp_path / f"{dtype}.pt", dtype, pp)
+        runs[dtype] = torch.load(tmp_path / f"{dtype}.pt")
+    f32, b16 = runs["float32"], runs["bfloat16"]
+    assert f32["param_dtypes"] == f32["master_dtypes"] == f32["optim_dtypes"] == ["torch.float32"]
+    assert b16["param_dtypes"] == ["torch.bfloat16"] and b16["master_dtypes"] == b16["optim_dtypes"] == ["torch.float32"]
+    for run in (f32, b16):
+        assert run["logp"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in run["state"].values())
+    valid = f32["mask"] > 0
+    gap = (f32["logp"] - b16["logp"])[valid].abs().max().item()
+    assert 1e-4 < gap < 0.1, gap  # bf16 compute: visibly coarser than float32, still the same model
+    w0 = model.state_dict()
+    step32 = torch.cat([(f32["state"][k] - w0[k]).flatten() for k in f32["state"]])
+    step16 = torch.cat([(b16["state"][k] - w0[k]).flatten() for k in f32["state"]])
+    assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.9
+    # the published weights are the float32 masters, not their bf16 rounding
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in b16["state"].values())

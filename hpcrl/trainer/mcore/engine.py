@@ -35,7 +35,12 @@ summed over the embedding group, and the norm counts it once.
 ``trainer.activation_checkpointing`` recomputes each transformer layer in
 the backward pass (:func:`hpcrl.trainer.mcore.model.checkpoint_layers`).
 
-Not yet: a critic (GAE), LoRA and bfloat16; each is refused by name. A
+``model.dtype: bfloat16``: bf16 parameters and compute, float32 master
+weights in the optimizer (``masters``), each micro-batch's gradient summed
+into the master's in float32; checkpoints and published weights are the
+masters.
+
+Not yet: a critic (GAE) and LoRA; each is refused by name. A
 checkpoint reloads onto the same tensor- and pipeline-parallel sizes only.
 """
 
@@ -71,8 +76,8 @@ class MegatronEngine(PolicyTrainer):
         for refused, why in ((algo.adv_estimator == "gae", "algo.adv_estimator=gae: the megatron engine has no "
                               "critic yet (use trainer.engine=fsdp)"),
                              (cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
-                             (dtype != torch.float32, f"model.dtype={dtype}: the megatron engine trains in "
-                              "float32 only so far")):
+                             (dtype == torch.float16, "model.dtype=float16: training in float16 needs loss "
+                              "scaling, which the megatron engine does not do; use bfloat16")):
             if refused:
                 raise ValueError(why)
         self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
@@ -82,17 +87,29 @@ class MegatronEngine(PolicyTrainer):
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp, ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: the ranks that hold one replica's parameters
-        self.model = M.build(model_path, self.layout, torch.float32)
+        hf_state = M.hf_weights(model_path)
+        self.model = M.build(model_path, self.layout, dtype, hf_state=hf_state)
         if cfg.activation_checkpointing:
             M.checkpoint_layers(self.model)
         self._names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=cfg.lr, betas=tuple(cfg.betas),
+        # the weights the optimizer updates: the parameters themselves in float32; float32 copies of them (of
+        # the HF weights, not of their bfloat16 rounding) when the model computes in bfloat16
+        self.masters = {p: p for p in self.model.parameters()}
+        if dtype != torch.float32:
+            own = M.rank_weights(self.model, hf_state, self.layout)
+            self.masters = {p: own[n].to(torch.float32).clone() for p, n in self._names.items()}
+        del hf_state
+        self.optimizer = torch.optim.AdamW(list(self.masters.values()), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
+        if dtype != torch.float32:
+            self.optimizer.register_step_post_hook(lambda *_: self._masters_to_model())
+            for p in self.masters:  # each micro-batch's gradient is summed into the master's in float32
+                p.register_post_accumulate_grad_hook(self._to_master_grad)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.version = 0
         self.ref_model = None
         if algo.needs_reference:
-            self.ref_model = M.build(model_path, self.layout, torch.float32).eval()
+            self.ref_model = M.build(model_path, self.layout, dtype).eval()
             self.ref_model.requires_grad_(False)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         log.info("megatron engine: TP %d x PP %d x DP %d (this rank: TP rank %d, stage %d, DP rank %d)",
@@ -145,25 +162,27 @@ class MegatronEngine(PolicyTrainer):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in model.parameters() if self.masters[p].grad is not None]
+        grads = {p: self.masters[p].grad for p in params}
         if self.layout.pp > 1 and model.share_embeddings_and_output_weights and ps.is_rank_in_embedding_group():
             # the first stage's embedding and the last stage's copy of it for the output layer are one weight
             shared = model.shared_embedding_or_output_weight()
-            if shared.grad is None:
-                shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+            if shared not in grads:
+                grads[shared] = self.masters[shared].grad = torch.zeros_like(self.masters[shared])
+                params.append(shared)
+            dist.all_reduce(grads[shared], group=ps.get_embedding_group())
         if self.layout.tp > 1:  # each TP rank normalised its own heads' q/k: the weight's gradient is the sum
             for p in params:
                 if "q_layernorm" in self._names[p] or "k_layernorm" in self._names[p]:
-                    dist.all_reduce(p.grad, group=self.tp_group)
+                    dist.all_reduce(grads[p], group=self.tp_group)
         if self.dp_size > 1:
             for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(self.dp_size)
+                dist.all_reduce(grads[p], group=self.dp_group)
+                grads[p].div_(self.dp_size)
         sq = torch.zeros(1, dtype=torch.float64)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
-                sq += p.grad.double().pow(2).sum()
+                sq += grads[p].double().pow(2).sum()
         if self.layout.tp * self.layout.pp > 1:  # every rank ends with the same clipping coefficient
             dist.all_reduce(sq, group=self.mp_group)
         norm = float(sq.sqrt().item())
@@ -171,13 +190,24 @@ class MegatronEngine(PolicyTrainer):
         coef = min(max_norm / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             for p in params:
-                p.grad.mul_(coef)
+                grads[p].mul_(coef)
         return norm
+
+    def _to_master_grad(self, p: torch.Tensor) -> None:
+        master, grad = self.masters[p], p.grad.to(torch.float32)
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+        p.grad = None
+
+    def _masters_to_model(self) -> None:
+        """After an optimizer step: the model computes with its master weights, rounded to its dtype."""
+        with torch.no_grad():
+            for p, master in self.masters.items():
+                p.copy_(master)
 
     # -- weights and checkpoints ---------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full weights on rank 0 (empty elsewhere); every rank must call it."""
-        return M.gather_hf(self.model, self.layout)
+        return M.gather_hf(self.model, self.layout, {n: self.masters[p] for p, n in self._names.items()})
 
     def _key(self, name: str) -> str:
         at = f"tp{self.layout.tp}.{self.layout.tp_rank}"
@@ -186,12 +216,13 @@ class MegatronEngine(PolicyTrainer):
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's slices of the model and of AdamW's moments under names that carry its TP rank (data-
         parallel replicas hold the same ones), so DCP stores each slice once and loads it in place."""
-        model = {self._key(n): p.detach() for n, p in self.model.named_parameters()}  # loaded in place
+        model = {self._key(n): self.masters[p].detach() for p, n in self._names.items()}  # loaded in place
         optim: dict[str, Any] = {}
         for p, name in self._names.items():
-            state = self.optimizer.state[p]
+            master = self.masters[p]
+            state = self.optimizer.state[master]
             if not state:  # before the first step: the zeros AdamW would start from, so a load has targets
-                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                state.update(exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
                              step=torch.tensor(0.0))
             for k in _ADAM_KEYS:
                 optim[f"{self._key(name)}/{k}"] = state[k]
@@ -202,10 +233,13 @@ class MegatronEngine(PolicyTrainer):
         parameters were written directly; the optimizer's moments are its state's tensors)."""
         if "model" in state:
             with torch.no_grad():
-                for n, p in self.model.named_parameters():
-                    src = state["model"][self._key(n)]
-                    if src.data_ptr() != p.data_ptr():
-                        p.copy_(src)
+                for p, n in self._names.items():
+                    src, master = state["model"][self._key(n)], self.masters[p]
+                    if src.data_ptr() != master.data_ptr():
+                        master.copy_(src)
+                    if master is not p:
+                        p.copy_(master)
         if "optim" in state:
             for p, name in self._names.items():
-                self.optimizer.state[p].update({k: state["optim"][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})
+                self.optimizer.state[self.masters[p]].update(
+                    {k: state["optim"][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})

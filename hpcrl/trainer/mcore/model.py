@@ -82,14 +82,9 @@ def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.flo
         model = GPTModel(config, transformer_layer_spec=spec, pre_process=layout.first_stage,
                          post_process=layout.last_stage, parallel_output=False,
                          **convert.model_kwargs(hf_config, layout.tp, pad_vocab_to))
-    if hf_state is None:
-        from safetensors.torch import load_file
-
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{model_path}: no *.safetensors weights to convert")
-        hf_state = {k: v for f in files for k, v in load_file(str(f)).items()}
-    load_hf(model, hf_state, hf_config, layout, pad_vocab_to)
+    load_hf(model, hf_weights(model_path) if hf_state is None else hf_state, hf_config, layout, pad_vocab_to)
+    if dtype != torch.float32:  # every parameter, norms included, as megatron-core's Float16Module casts them
+        model.to(dtype)
     model.hf_config = hf_config
     model.pad_vocab_to = pad_vocab_to
     return model
@@ -108,6 +103,24 @@ def checkpoint_layers(model) -> int:
     for layer in layers:
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
     return len(layers)
+
+
+def hf_weights(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """The HF folder's weights, as stored."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_path}: no *.safetensors weights to convert")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+def rank_weights(model, hf_state: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """This rank's share of ``hf_state`` under the names of ``model``'s parameters, in the dtype stored (the
+    float32 master weights of a model that computes in bfloat16)."""
+    state = convert.hf_to_mcore(hf_state, model.hf_config, layout.tp, layout.tp_rank, layout.pp, layout.stage,
+                                model.pad_vocab_to)
+    return {n: state[n] for n, _ in model.named_parameters()}
 
 
 def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config: Any, layout: Layout,
@@ -181,10 +194,11 @@ def forward_logits(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tens
     return out[..., : model.hf_config.vocab_size]
 
 
-def gather_hf(model, layout: Layout) -> dict[str, torch.Tensor]:
+def gather_hf(model, layout: Layout, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full weights under HF names on global rank 0 ({} elsewhere): every TP slice of every stage is
-    gathered there (data-parallel replicas hold the same weights: the first replica's are used)."""
-    mine = {k: v.detach().cpu() for k, v in model.state_dict().items()
+    gathered there (data-parallel replicas hold the same weights: the first replica's are used).
+    ``weights``: tensors to send in place of the model's own of these names (its float32 master weights)."""
+    mine = {k: (weights or {}).get(k, v).detach().cpu() for k, v in model.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     box: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     payload = (layout.dp_rank, layout.stage, layout.tp_rank, mine) if layout.dp_rank == 0 else None
