@@ -156,52 +156,16 @@ def test_megatron_steps_equal_the_fsdp_engine(tmp_path, fsdp_steps, world, tp, p
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
-def _checkpointing_rank(model_path, out, checkpointing: bool) -> None:
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.set_num_threads(1)
-    from test_trainer import make_groups
-
-    from hpcrl.algo.config import AlgoConfig
-    from hpcrl.runtime.dist import init_from_env
-    from hpcrl.trainer import batch as B
-    from hpcrl.trainer.config import TrainerConfig
-    from hpcrl.trainer.engine import build_train_engine
-
-    ctx = init_from_env("gloo")
-    cfg = TrainerConfig(engine="megatron", world_size=1, total_steps=2, lr=1e-2, warmup_steps=0,
-                        activation_checkpointing=checkpointing)
-    engine = build_train_engine("megatron", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
-    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
-    mb = B.collate(seqs, pad_id=0)
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    engine.model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what autograd keeps for backward
-        logp = engine._forward(mb, entropy=None)[0]
-    (logp * mb.mask).sum().backward()
-    engine.optimizer.zero_grad(set_to_none=True)
-    calls = [0]
-    engine.model.decoder.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    stats = engine.train_step(seqs)
-    torch.save({"saved_bytes": saved[0], "layer_calls": calls[0], "loss": stats,
-                "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
-    torch.distributed.destroy_process_group()
-
-
 def test_activation_checkpointing_keeps_less_for_backward_and_takes_the_same_step(tmp_path) -> None:
     """trainer.activation_checkpointing with the megatron engine: autograd keeps far fewer bytes for backward,
     every transformer layer runs its forward again in the backward pass, and the step is the step without it."""
-    from test_trainer import _single_rank_variants
+    from test_trainer import _checkpointing_rank, _single_rank_variants
 
     model_path = tmp_path / "model"
     model = qwen3(tied=True, kv_heads=2, layers=2, vocab=40)
     model.config.pad_token_id = 0
     model.save_pretrained(model_path)
-    runs = _single_rank_variants(_checkpointing_rank, model_path, tmp_path, (False, True))
+    runs = _single_rank_variants(_checkpointing_rank, model_path, tmp_path, (False, True), "megatron")
     off, on = runs[False], runs[True]
     print(f"kept for backward: {off['saved_bytes']:,} -> {on['saved_bytes']:,} bytes")
     assert on["saved_bytes"] < 0.6 * off["saved_bytes"], (on["saved_bytes"], off["saved_bytes"])

@@ -266,15 +266,18 @@ def test_model_dtype_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(
     assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.9
 
 
-def _checkpointing_rank(model_path, out, checkpointing: bool) -> None:
+def _checkpointing_rank(model_path, out, checkpointing: bool, engine_name: str = "fsdp") -> None:
+    """One step with or without activation checkpointing -> out: the bytes autograd keeps for the backward of one
+    forward pass, how often a module of the first layer runs in the step, the step's weights."""
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
     from hpcrl.runtime.dist import init_from_env
     from hpcrl.trainer.engine import build_train_engine
 
     ctx = init_from_env("gloo")
-    cfg = TrainerConfig(world_size=1, total_steps=2, lr=1e-2, warmup_steps=0, activation_checkpointing=checkpointing)
-    engine = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    cfg = TrainerConfig(engine=engine_name, world_size=1, total_steps=2, lr=1e-2, warmup_steps=0,
+                        activation_checkpointing=checkpointing)
+    engine = build_train_engine(engine_name, model_path, cfg, AlgoConfig(), ctx, pad_id=0)
     seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
     mb = B.collate(seqs, pad_id=0)
     saved = [0]
@@ -289,7 +292,8 @@ def _checkpointing_rank(model_path, out, checkpointing: bool) -> None:
     (logp * mb.mask).sum().backward()
     engine.optimizer.zero_grad(set_to_none=True)
     calls = [0]
-    engine.model.model.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    layer = engine.model.decoder.layers[0].mlp if engine_name == "megatron" else engine.model.model.layers[0]
+    layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     stats = engine.train_step(seqs)
     torch.save({"saved_bytes": saved[0], "layer_calls": calls[0], "loss": stats,
                 "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
