@@ -6,6 +6,9 @@
 ledger, versions from 0); what it takes from the source:
 
 * **weights, always**: the policy (and the critic, when both runs have one);
+  from a checkpoint of another trainer layout (the FSDP2 engine's, or the
+  megatron engine's with other TP/PP sizes) the policy is its exported HF
+  weights, and its optimizer state is refused;
 * ``optimizer``: the optimizer state (Adam moments and step counts);
 * ``scheduler``: the learning-rate schedule's position (its step count; the
   base rate, warm-up and length are this run's config);
@@ -117,6 +120,12 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
     meta = atomic.read_json(src / "trainer.json")
     restore = cfg.init.restore
     load = ["model"] + (["critic"] if has_critic(src) else [])
+    theirs, ours = weight_layout(saved_keys(src)), trainer_layout(cfg)
+    if theirs != ours:  # the trainer state does not load: the policy is the weights exported to init/model
+        if "optimizer" in restore:
+            raise ValueError(f"init.restore: optimizer: {src} holds optimizer state of a {theirs} trainer, this run's "
+                             f"is {ours}; it does not load into that (start from the weights alone)")
+        load = [k for k in load if k != "model"]
     if "optimizer" in restore:
         load += ["optim"] + (["critic_optim"] if "critic" in load else [])
     root = run_dir / "ckpt"
@@ -134,6 +143,22 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
         "from": {"checkpoint": str(src), "step": meta["step"], "restore": list(restore)}})
     store.commit(tmp, final)
     return final
+
+
+def weight_layout(keys: list[str]) -> str:
+    """How a checkpoint's weights are laid out: ``fsdp``, or the megatron engine's ``megatron TP=t PP=p``."""
+    tagged = [k[len("model."):].split("/", 1)[0].split(".") for k in keys if k.startswith("model.tp") and "/" in k]
+    if not tagged:
+        return "fsdp"
+    at = tagged[0]
+    return f"megatron TP={at[0][2:]} PP={at[2][2:] if len(at) > 2 else 1}"
+
+
+def trainer_layout(cfg: RunConfig) -> str:
+    """:func:`weight_layout` of the checkpoints this run's trainer writes."""
+    if cfg.trainer.engine != "megatron":
+        return "fsdp"
+    return f"megatron TP={cfg.trainer.megatron.tensor_parallel} PP={cfg.trainer.megatron.pipeline_parallel}"
 
 
 def data_offset(src: Path, num_rows: int, seed: int) -> int:

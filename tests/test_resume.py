@@ -402,3 +402,19 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) 
     assert tools(["to-hf", str(tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}"), str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(exported[k], a[k]) for k in exported)
+    from hpcrl.ckpt.trainer_ckpt import check_layout  # a resume onto other sizes is refused, naming why
+
+    with pytest.raises(ValueError, match=r"does not hold 1 of this trainer's 1 weights.*tensor/pipeline-parallel"):
+        check_layout(tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}", {"model": {"tp4.0/decoder.final_layernorm": 0}})
+    if parallel == "tensor_parallel":
+        return
+    # another layout starts from its weights (the exported HF folder); its optimizer state does not fit there
+    with pytest.raises(ValueError, match=r"optimizer state of a megatron TP=1 PP=2 trainer, this run's is fsdp"):
+        started_from(tmp_path / "c", assets, tmp_path / "a", "optimizer")
+    prep = started_from(tmp_path / "d", assets, tmp_path / "a", "")  # the FSDP2 engine: the default
+    assert json.loads((tmp_path / "d" / "ckpt" / "step_000000" / "trainer.json").read_text())["load"] == []
+    init = load_file(str(Path(prep.init_model) / "model.safetensors"))
+    assert all(torch.equal(init[k], a[k]) for k in init)
+    feed_groups(tmp_path / "d", range(3 * B))
+    wait_all(start_trainer(tmp_path / "d", 1), tmp_path / "d")
+    assert audit(tmp_path / "d").ok

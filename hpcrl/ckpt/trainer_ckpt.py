@@ -51,6 +51,21 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def check_layout(path: Path, state: dict[str, Any]) -> None:
+    """Refuse, naming both, a checkpoint whose weights are not this trainer's: another engine, or the megatron
+    engine with other tensor/pipeline-parallel sizes (its weights are saved per TP rank and stage)."""
+    if not isinstance(state.get("model"), dict):
+        return
+    saved = {k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith("model.")}
+    wanted = {f"model.{k}" for k in state["model"]}
+    missing = sorted(wanted - saved)
+    if missing:
+        raise ValueError(f"checkpoint {path} does not hold {len(missing)} of this trainer's {len(wanted)} weights "
+                         f"(e.g. {missing[0]!r}; it holds e.g. {min(saved, default='nothing')!r}): it was written by "
+                         "another trainer engine or other trainer.megatron tensor/pipeline-parallel sizes, and "
+                         "loads only onto the same ones (python -m ckpt_tools to-hf exports it whatever its layout)")
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
     torch.set_rng_state(torch.from_numpy(raw))
@@ -131,8 +146,10 @@ class Checkpointer:
         state = engine.checkpoint_state()
         if meta.get("load") is not None:  # another run's checkpoint (--from): only the parts it names
             state = {k: v for k, v in state.items() if k in meta["load"]}
-        dcp.load(state, checkpoint_id=str(path))
-        engine.load_checkpoint_state(state)
+        if state:  # --from a checkpoint of another layout loads nothing: the weights are the exported init model
+            check_layout(path, state)
+            dcp.load(state, checkpoint_id=str(path))
+            engine.load_checkpoint_state(state)
         engine.version = meta.get("engine_version", meta["step"])
         if meta.get("from"):  # this run's schedule, at the saved position when the scheduler was restored
             engine.load_schedule_state(meta, position_only=True)
