@@ -205,11 +205,11 @@ def _dtype_rank(rank, world, port, model_path, out, dtype: str, pp: int) -> None
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp) -> None:
-    """model.dtype=bfloat16 with the megatron engine: parameters and compute in bf16, float32 master weights
-    (gradients summed into them in float32), optimizer state, published weights and logprobs in float32; the
-    step goes where the float32 step goes. float16 is refused."""
+def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp: int = 2) -> None:
+    """model.dtype=bfloat16 with the megatron engine on two pipeline stages (a tied embedding: its copy on the
+    last stage has a master too): parameters and compute in bf16, float32 master weights (gradients summed into
+    them in float32), optimizer state, published weights and logprobs in float32; the step goes where the
+    float32 step goes."""
     from spawn_ranks import spawn_ranks
 
     model_path = tmp_path / "model"
