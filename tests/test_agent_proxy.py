@@ -287,9 +287,11 @@ def test_the_admin_api_adds_keys_sets_rewards_and_ends_sessions_under_its_key(se
 
     off = admin("GET")
     assert off.status_code == 404 and "agent.admin_key_file" in off.json()["error"]["message"]  # no admin key: off
+    assert admin("POST", wrong="body").status_code == 404  # checked before the body: nothing about the API shows
     proxy.admin_key = "k" * 20
     try:
         assert admin("GET", token="sk-wrong").status_code == 401
+        assert admin("POST", token="sk-wrong", wrong="body").status_code == 401
         assert admin("GET", token=key).status_code == 401  # an episode's key is not the admin's
         listed = admin("GET").json()["data"]
         assert [(s["id"], s["episode"], s["calls"], s["reward"]) for s in listed] == [(key, "('t', 9)", 0, None)]

@@ -64,7 +64,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Hashable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -218,14 +218,15 @@ class AgentProxy:
                              "invalid_api_key")
         return session
 
-    def _admin(self, request: Request, key: str | None = None) -> Session | None:
-        """Check the admin key (404 when there is no admin API); the open session ``key`` if one is named."""
+    def _admin(self, request: Request) -> None:
+        """Every admin request's first check, before its body is read: 404 when there is no admin API, 401
+        without the admin key."""
         if self.admin_key is None:
             raise ProxyError(404, "not found: the admin API is off (agent.admin_key_file)", "not_found")
         if not secrets.compare_digest(_bearer(request).encode(), self.admin_key.encode()):
             raise ProxyError(401, "the admin API needs the admin key (Bearer)", "invalid_api_key")
-        if key is None:
-            return None
+
+    def _named(self, key: str) -> Session:
         session = self.sessions.get(key)
         if session is None:
             raise ProxyError(404, "no open episode has this key", "session_not_found", "key")
@@ -335,32 +336,33 @@ class AgentProxy:
             log.exception("agent proxy: request failed")
             return _error(500, f"internal error ({type(e).__name__})", "internal_error", kind="server_error")
 
-        @app.get("/admin/sessions")
-        async def sessions(request: Request) -> dict:
-            self._admin(request)
+        admin = [Depends(self._admin)]
+
+        @app.get("/admin/sessions", dependencies=admin)
+        async def sessions() -> dict:
             now = time.time()
             return {"object": "list", "data": [
                 {"id": key, "episode": str(s.episode), "keys": len(s.keys), "calls": len(s.calls),
                  "reward": s.reward, "age_s": round(now - s.opened, 3)}
                 for key, s in self.sessions.items() if key == s.key]}
 
-        @app.post("/admin/sessions")
-        async def add_key(body: ParentBody, request: Request) -> dict:
-            self._admin(request, body.parent)
+        @app.post("/admin/sessions", dependencies=admin)
+        async def add_key(body: ParentBody) -> dict:
+            self._named(body.parent)
             return {"api_key": self.add_key(body.parent)}
 
-        @app.post("/admin/sessions/{key}/reward")
-        async def set_reward(key: str, body: RewardBody, request: Request) -> dict:
-            session = self._admin(request, key)
+        @app.post("/admin/sessions/{key}/reward", dependencies=admin)
+        async def set_reward(key: str, body: RewardBody) -> dict:
+            session = self._named(key)
             if not math.isfinite(body.reward):
                 raise ProxyError(400, f"reward: must be a finite number, got {body.reward}", "invalid_request",
                                  "reward")
             session.reward = body.reward
             return {"id": session.key, "reward": session.reward}
 
-        @app.post("/admin/sessions/{key}/end")
-        async def end(key: str, request: Request) -> dict:
-            session = self._admin(request, key)
+        @app.post("/admin/sessions/{key}/end", dependencies=admin)
+        async def end(key: str) -> dict:
+            session = self._named(key)
             self.close(key)
             session.ended.set()
             return {"id": session.key, "calls": len(session.calls), "reward": session.reward}
