@@ -2,7 +2,7 @@
 
 :class:`AgentEpisodes` is an :class:`~hpcrl.rollout.episodes.EpisodeRunner`.
 It owns a background thread with an asyncio loop that serves the
-:class:`~hpcrl.agent.proxy.AgentProxy` (uvicorn, loopback) and runs the
+:class:`~hpcrl.agent.proxy.AgentProxy` (uvicorn, on `agent.host`: loopback unless an admin key allows more) and runs the
 episodes: ``await fn(data, base_url=..., api_key=...)`` with the dataset row
 as ``data`` and a session key of the episode's own (never process-wide
 environment variables, which would race between concurrent episodes).
