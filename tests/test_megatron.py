@@ -222,7 +222,8 @@ def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp
         runs[dtype] = torch.load(tmp_path / f"{dtype}.pt")
     f32, b16 = runs["float32"], runs["bfloat16"]
     assert f32["param_dtypes"] == f32["master_dtypes"] == f32["optim_dtypes"] == ["torch.float32"]
-    assert b16["param_dtypes"] == ["torch.bfloat16"] and b16["master_dtypes"] == b16["optim_dtypes"] == ["torch.float32"]
+    assert b16["param_dtypes"] == ["torch.bfloat16"]
+    assert b16["master_dtypes"] == b16["optim_dtypes"] == ["torch.float32"]
     for run in (f32, b16):
         assert run["logp"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in run["state"].values())
     valid = f32["mask"] > 0

@@ -124,7 +124,8 @@ def read_admin_key(path: str) -> str:
                          f"chmod 600 it")
     if len(key) < MIN_ADMIN_KEY or any(c.isspace() for c in key):
         raise ValueError(f"agent.admin_key_file: {path!r} must hold one key of at least {MIN_ADMIN_KEY} "
-                         "characters without spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+                         "characters without spaces "
+                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
     return key
 
 
