@@ -123,40 +123,88 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def _groups(hf_config: Any) -> tuple[int, int, int]:
+    """Query heads, query groups (key/value heads) and head dimension."""
+    heads = int(_get(hf_config, "num_attention_heads"))
+    return heads, int(_get(hf_config, "num_key_value_heads") or heads), head_dim(hf_config)
+
+
+def layer_to_mcore(hf: Mapping[str, Tensor], hf_config: Any, tp: int = 1, tp_rank: int = 0) -> dict[str, Tensor]:
+    """One decoder layer: its HF tensors (names after ``model.layers.<i>.``) as TP rank ``tp_rank``'s slices
+    (names after ``decoder.layers.<local i>.``)."""
+    heads, groups, d = _groups(hf_config)
+    per_group = heads // groups
+    q = hf["self_attn.q_proj.weight"].view(groups, per_group * d, -1)
+    k = hf["self_attn.k_proj.weight"].view(groups, d, -1)
+    v = hf["self_attn.v_proj.weight"].view(groups, d, -1)
+    qkv = torch.cat([q, k, v], dim=1).reshape((heads + 2 * groups) * d, -1)
+    out = {"self_attention.linear_qkv.weight": _chunk(qkv, tp, tp_rank),
+           "self_attention.linear_proj.weight": _chunk(hf["self_attn.o_proj.weight"], tp, tp_rank, 1)}
+    if has_qk_norm(hf_config):
+        out["self_attention.q_layernorm.weight"] = hf["self_attn.q_norm.weight"].clone()
+        out["self_attention.k_layernorm.weight"] = hf["self_attn.k_norm.weight"].clone()
+    out["input_layernorm.weight"] = hf["input_layernorm.weight"].clone()
+    out["pre_mlp_layernorm.weight"] = hf["post_attention_layernorm.weight"].clone()
+    gate = _chunk(hf["mlp.gate_proj.weight"], tp, tp_rank)
+    out["mlp.linear_fc1.weight"] = torch.cat([gate, _chunk(hf["mlp.up_proj.weight"], tp, tp_rank)])
+    out["mlp.linear_fc2.weight"] = _chunk(hf["mlp.down_proj.weight"], tp, tp_rank, 1)
+    return out
+
+
+def layer_to_hf(slices: list[Mapping[str, Tensor]], hf_config: Any) -> dict[str, Tensor]:
+    """One decoder layer's HF tensors from every TP rank's slices (:func:`layer_to_mcore`'s names)."""
+    heads, groups, d = _groups(hf_config)
+    per_group = heads // groups
+
+    def cat(key: str, dim: int = 0) -> Tensor:
+        return torch.cat([s[key] for s in slices], dim=dim)
+
+    qkv = cat("self_attention.linear_qkv.weight")
+    q, k, v = torch.split(qkv.view(groups, (per_group + 2) * d, qkv.shape[-1]), [per_group * d, d, d], dim=1)
+    first = slices[0]
+    out = {"self_attn.q_proj.weight": q.reshape(heads * d, -1), "self_attn.k_proj.weight": k.reshape(groups * d, -1),
+           "self_attn.v_proj.weight": v.reshape(groups * d, -1),
+           "self_attn.o_proj.weight": cat("self_attention.linear_proj.weight", 1)}
+    if has_qk_norm(hf_config):
+        out["self_attn.q_norm.weight"] = first["self_attention.q_layernorm.weight"]
+        out["self_attn.k_norm.weight"] = first["self_attention.k_layernorm.weight"]
+    out["input_layernorm.weight"] = first["input_layernorm.weight"]
+    out["post_attention_layernorm.weight"] = first["pre_mlp_layernorm.weight"]
+    halves = [torch.chunk(s["mlp.linear_fc1.weight"], 2) for s in slices]
+    out["mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+    out["mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+    out["mlp.down_proj.weight"] = cat("mlp.linear_fc2.weight", 1)
+    return out
+
+
+def vocab_to_mcore(t: Tensor, hf_config: Any, tp: int = 1, tp_rank: int = 0, pad_vocab_to: int = 1) -> Tensor:
+    """The word embeddings or the output layer (``[vocab, hidden]``): TP rank ``tp_rank``'s rows of it padded."""
+    return _chunk(_pad_rows(t, padded_vocab(int(_get(hf_config, "vocab_size")), tp, pad_vocab_to)), tp, tp_rank)
+
+
+def vocab_to_hf(slices: list[Tensor], hf_config: Any) -> Tensor:
+    """:func:`vocab_to_mcore`'s slices of every TP rank merged, the padding dropped."""
+    return torch.cat(slices)[: int(_get(hf_config, "vocab_size"))]
+
+
 def hf_to_mcore(hf: Mapping[str, Tensor], hf_config: Any, tp: int = 1, tp_rank: int = 0, pp: int = 1,
                 stage: int = 0, pad_vocab_to: int = 1) -> dict[str, Tensor]:
     """The GPTModel state dict of TP rank ``tp_rank`` in pipeline stage ``stage`` (no ``_extra_state`` keys)."""
-    heads, groups = int(_get(hf_config, "num_attention_heads")), int(_get(hf_config, "num_key_value_heads") or
-                                                                      _get(hf_config, "num_attention_heads"))
-    d, per_group = head_dim(hf_config), heads // groups
     layers = int(_get(hf_config, "num_hidden_layers"))
-    vocab = padded_vocab(int(_get(hf_config, "vocab_size")), tp, pad_vocab_to)
     tied = bool(_get(hf_config, "tie_word_embeddings", False))
     out: dict[str, Tensor] = {}
     if stage == 0:
-        out["embedding.word_embeddings.weight"] = _chunk(_pad_rows(hf["model.embed_tokens.weight"], vocab), tp, tp_rank)
+        out["embedding.word_embeddings.weight"] = vocab_to_mcore(hf["model.embed_tokens.weight"], hf_config, tp,
+                                                                 tp_rank, pad_vocab_to)
     for local, i in enumerate(stage_layers(layers, pp, stage)):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
-        q = hf[src + "self_attn.q_proj.weight"].view(groups, per_group * d, -1)
-        k = hf[src + "self_attn.k_proj.weight"].view(groups, d, -1)
-        v = hf[src + "self_attn.v_proj.weight"].view(groups, d, -1)
-        qkv = torch.cat([q, k, v], dim=1).reshape((heads + 2 * groups) * d, -1)
-        out[dst + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, tp_rank)
-        out[dst + "self_attention.linear_proj.weight"] = _chunk(hf[src + "self_attn.o_proj.weight"], tp, tp_rank, 1)
-        if has_qk_norm(hf_config):
-            out[dst + "self_attention.q_layernorm.weight"] = hf[src + "self_attn.q_norm.weight"].clone()
-            out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"].clone()
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-        gate = _chunk(hf[src + "mlp.gate_proj.weight"], tp, tp_rank)
-        up = _chunk(hf[src + "mlp.up_proj.weight"], tp, tp_rank)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[dst + "mlp.linear_fc2.weight"] = _chunk(hf[src + "mlp.down_proj.weight"], tp, tp_rank, 1)
+        src = f"model.layers.{i}."
+        mine = layer_to_mcore({k[len(src):]: v for k, v in hf.items() if k.startswith(src)}, hf_config, tp, tp_rank)
+        out.update({f"decoder.layers.{local}.{k}": v for k, v in mine.items()})
     if stage == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-        head = hf["model.embed_tokens.weight"] if tied else hf["lm_head.weight"]
         if not tied or pp > 1:
-            out["output_layer.weight"] = _chunk(_pad_rows(head, vocab), tp, tp_rank)
+            head = hf["model.embed_tokens.weight"] if tied else hf["lm_head.weight"]
+            out["output_layer.weight"] = vocab_to_mcore(head, hf_config, tp, tp_rank, pad_vocab_to)
     return out
 
 
@@ -164,39 +212,17 @@ def mcore_to_hf(shards: list[list[Mapping[str, Tensor]]], hf_config: Any) -> dic
     """HuggingFace weights from ``shards[stage][tp_rank]`` (every stage's every TP rank, as from
     :func:`hf_to_mcore` or a GPTModel's ``state_dict()``); tied models get ``lm_head.weight`` too, the same
     tensor as the embedding, as HF's ``state_dict()`` has it."""
-    heads, groups = int(_get(hf_config, "num_attention_heads")), int(_get(hf_config, "num_key_value_heads") or
-                                                                      _get(hf_config, "num_attention_heads"))
-    d, per_group = head_dim(hf_config), heads // groups
-    layers, vocab = int(_get(hf_config, "num_hidden_layers")), int(_get(hf_config, "vocab_size"))
+    layers = int(_get(hf_config, "num_hidden_layers"))
     tied = bool(_get(hf_config, "tie_word_embeddings", False))
     pp = len(shards)
-
-    def cat(stage: int, key: str, dim: int = 0) -> Tensor:
-        return torch.cat([s[key] for s in shards[stage]], dim=dim)
-
-    out: dict[str, Tensor] = {"model.embed_tokens.weight": cat(0, "embedding.word_embeddings.weight")[:vocab]}
+    out = {"model.embed_tokens.weight": vocab_to_hf([s["embedding.word_embeddings.weight"] for s in shards[0]],
+                                                    hf_config)}
     for stage in range(pp):
-        first = shards[stage][0]
         for local, i in enumerate(stage_layers(layers, pp, stage)):
-            src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
-            qkv = torch.cat([s[src + "self_attention.linear_qkv.weight"].view(-1, (per_group + 2) * d,
-                                                                               s[src + "self_attention.linear_qkv.weight"].shape[-1])
-                             for s in shards[stage]])
-            q, k, v = torch.split(qkv, [per_group * d, d, d], dim=1)
-            out[dst + "self_attn.q_proj.weight"] = q.reshape(heads * d, -1)
-            out[dst + "self_attn.k_proj.weight"] = k.reshape(groups * d, -1)
-            out[dst + "self_attn.v_proj.weight"] = v.reshape(groups * d, -1)
-            out[dst + "self_attn.o_proj.weight"] = cat(stage, src + "self_attention.linear_proj.weight", 1)
-            if has_qk_norm(hf_config):
-                out[dst + "self_attn.q_norm.weight"] = first[src + "self_attention.q_layernorm.weight"]
-                out[dst + "self_attn.k_norm.weight"] = first[src + "self_attention.k_layernorm.weight"]
-            out[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
-            out[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
-            halves = [torch.chunk(s[src + "mlp.linear_fc1.weight"], 2) for s in shards[stage]]
-            out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
-            out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
-            out[dst + "mlp.down_proj.weight"] = cat(stage, src + "mlp.linear_fc2.weight", 1)
+            src = f"decoder.layers.{local}."
+            slices = [{k[len(src):]: v for k, v in s.items() if k.startswith(src)} for s in shards[stage]]
+            out.update({f"model.layers.{i}.{k}": v for k, v in layer_to_hf(slices, hf_config).items()})
     out["model.norm.weight"] = shards[-1][0]["decoder.final_layernorm.weight"]
     out["lm_head.weight"] = (out["model.embed_tokens.weight"] if tied
-                             else cat(pp - 1, "output_layer.weight")[:vocab])
+                             else vocab_to_hf([s["output_layer.weight"] for s in shards[-1]], hf_config))
     return {k: v.contiguous() for k, v in out.items()}
