@@ -6,9 +6,10 @@
 ledger, versions from 0); what it takes from the source:
 
 * **weights, always**: the policy (and the critic, when both runs have one);
-  from a checkpoint of another trainer layout (the FSDP2 engine's, or the
-  megatron engine's with other TP/PP sizes) the policy is its exported HF
-  weights, and its optimizer state is refused;
+  from a checkpoint of another trainer engine (FSDP2's into the megatron
+  engine, or the reverse) the policy is its exported HF weights, and its
+  optimizer state is refused; the megatron engine reshards its own
+  checkpoints of other TP/PP sizes as it loads them, optimizer included;
 * ``optimizer``: the optimizer state (Adam moments and step counts);
 * ``scheduler``: the learning-rate schedule's position (its step count; the
   base rate, warm-up and length are this run's config);
@@ -121,7 +122,8 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
     restore = cfg.init.restore
     load = ["model"] + (["critic"] if has_critic(src) else [])
     theirs, ours = weight_layout(saved_keys(src)), trainer_layout(cfg)
-    if theirs != ours:  # the trainer state does not load: the policy is the weights exported to init/model
+    if theirs.split()[0] != ours.split()[0]:  # another engine's state does not load: the policy is the weights
+        # exported to init/model (the megatron engine reshards its own onto other TP/PP sizes as it loads)
         if "optimizer" in restore:
             raise ValueError(f"init.restore: optimizer: {src} holds optimizer state of a {theirs} trainer, this run's "
                              f"is {ours}; it does not load into that (start from the weights alone)")
@@ -147,11 +149,10 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
 
 def weight_layout(keys: list[str]) -> str:
     """How a checkpoint's weights are laid out: ``fsdp``, or the megatron engine's ``megatron TP=t PP=p``."""
-    tagged = [k[len("model."):].split("/", 1)[0].split(".") for k in keys if k.startswith("model.tp") and "/" in k]
-    if not tagged:
-        return "fsdp"
-    at = tagged[0]
-    return f"megatron TP={at[0][2:]} PP={at[2][2:] if len(at) > 2 else 1}"
+    from hpcrl.trainer.mcore.reshard import saved_layout
+
+    sizes = saved_layout(keys)
+    return "fsdp" if sizes is None else f"megatron TP={sizes[0]} PP={sizes[1]}"
 
 
 def trainer_layout(cfg: RunConfig) -> str:

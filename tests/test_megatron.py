@@ -56,6 +56,55 @@ def test_splitting_into_parallel_ranks_and_merging_back_is_exact(tied, tp, pp) -
     assert layers == [[str(i) for i in range(4 // pp)]] * pp  # each stage holds its own layers, locally numbered
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("saved,wanted", [((2, 1), (1, 2)), ((1, 2), (2, 2)), ((2, 2), (1, 1)), ((2, 2), (2, 1))])
+def test_a_checkpoint_reshards_exactly_onto_other_parallel_sizes(tmp_path, tied, saved, wanted) -> None:
+    """A checkpoint as the engine writes it (each rank's slices of the weights and of AdamW's moments) on
+    ``saved`` = (TP, PP), read by every rank of ``wanted``: each gets exactly the slices of the same weights
+    and moments that a trainer of that layout would have saved."""
+    import torch.distributed.checkpoint as dcp
+
+    from hpcrl.trainer.mcore.model import Layout
+    from hpcrl.trainer.mcore.reshard import prefix, reshard
+
+    model = qwen3(tied)
+    weights = model.state_dict()
+    torch.manual_seed(1)
+    kinds = {"model": weights, "exp_avg": {k: torch.randn_like(v) for k, v in weights.items()}}
+    kinds["exp_avg_sq"] = {k: torch.rand_like(v) for k, v in weights.items()}
+    if tied:  # one weight under two HF names, one moment too
+        for k in ("exp_avg", "exp_avg_sq"):
+            kinds[k]["lm_head.weight"] = kinds[k]["model.embed_tokens.weight"]
+
+    def written(tp: int, pp: int, r: int, s: int) -> dict:
+        at = prefix(tp, r, pp, s)
+        state: dict = {"model": {}, "optim": {}}
+        parts = {k: convert.hf_to_mcore(v, model.config, tp, r, pp, s) for k, v in kinds.items()}
+        for name, t in parts["model"].items():
+            state["model"][f"{at}/{name}"] = t
+            state["optim"].update({f"{at}/{name}/{k}": parts[k][name] for k in ("exp_avg", "exp_avg_sq")})
+            state["optim"][f"{at}/{name}/step"] = torch.tensor(7.0)
+        return state
+
+    tp, pp = saved
+    everything: dict = {"model": {}, "optim": {}}
+    for s in range(pp):
+        for r in range(tp):
+            for part, tensors in written(tp, pp, r, s).items():
+                everything[part].update(tensors)
+    dcp.save(everything, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    tp, pp = wanted
+    for s in range(pp):
+        for r in range(tp):
+            got = reshard(tmp_path / "ckpt", model.config, Layout(tp, pp, 1, r, s, 0), {"model", "optim"})
+            expected = written(tp, pp, r, s)
+            for part in ("model", "optim"):
+                assert got[part].keys() == expected[part].keys()
+                assert all(torch.equal(got[part][k], expected[part][k]) for k in expected[part]), (part, r, s)
+            weights_only = reshard(tmp_path / "ckpt", model.config, Layout(tp, pp, 1, r, s, 0), {"model"})
+            assert set(weights_only) == {"model"} and weights_only["model"].keys() == expected["model"].keys()
+
+
 def test_unsupported_models_and_layouts_are_refused_by_name() -> None:
     model = qwen3(tied=True, kv_heads=2)
     with pytest.raises(ValueError, match="tensor_parallel=4: must divide the 2 key/value heads"):

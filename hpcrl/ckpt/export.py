@@ -42,21 +42,23 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
 
 def is_megatron(ckpt: Path) -> bool:
     """Whether the checkpoint was saved by the megatron engine (its weights are per-TP-rank, per-stage slices)."""
-    return any(k.startswith("model.tp") and "/" in k for k in saved_keys(ckpt))
+    from hpcrl.trainer.mcore.reshard import saved_layout
+
+    return saved_layout(saved_keys(ckpt)) is not None
 
 
 def megatron_weights(ckpt: Path, hf_config) -> dict[str, torch.Tensor]:
     """HF-named weights from a megatron engine checkpoint: every TP rank's slices of every stage, merged
     (:func:`hpcrl.trainer.mcore.convert.mcore_to_hf`)."""
     from hpcrl.trainer.mcore.convert import mcore_to_hf
+    from hpcrl.trainer.mcore.reshard import saved_layout
 
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     keys = [k for k in meta if k.startswith("model.tp")]
     state = {"model": {k[len("model."):]: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
                        for k in keys}}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    at = keys[0][len("model."):].split("/", 1)[0].split(".")  # tp<T>.<rank>[.pp<P>.<stage>]
-    tp, pp = int(at[0][2:]), int(at[2][2:]) if len(at) > 2 else 1
+    tp, pp = saved_layout(keys)
     shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
     for key, t in state["model"].items():
         layout, name = key.split("/", 1)

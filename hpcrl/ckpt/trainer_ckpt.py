@@ -51,19 +51,21 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def check_layout(path: Path, state: dict[str, Any]) -> None:
-    """Refuse, naming both, a checkpoint whose weights are not this trainer's: another engine, or the megatron
-    engine with other tensor/pipeline-parallel sizes (its weights are saved per TP rank and stage)."""
+def layout_mismatch(path: Path, state: dict[str, Any]) -> str | None:
+    """Why ``state`` (this trainer's :meth:`~hpcrl.trainer.engine.TrainEngine.checkpoint_state`) does not load
+    in place from the checkpoint at ``path``, or None when it does: the checkpoint lacks some of its weights,
+    because another engine wrote it, or the megatron engine with other tensor/pipeline-parallel sizes."""
     if not isinstance(state.get("model"), dict):
-        return
+        return None
     saved = {k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith("model.")}
     wanted = {f"model.{k}" for k in state["model"]}
     missing = sorted(wanted - saved)
-    if missing:
-        raise ValueError(f"checkpoint {path} does not hold {len(missing)} of this trainer's {len(wanted)} weights "
-                         f"(e.g. {missing[0]!r}; it holds e.g. {min(saved, default='nothing')!r}): it was written by "
-                         "another trainer engine or other trainer.megatron tensor/pipeline-parallel sizes, and "
-                         "loads only onto the same ones (python -m ckpt_tools to-hf exports it whatever its layout)")
+    if not missing:
+        return None
+    return (f"checkpoint {path} does not hold {len(missing)} of this trainer's {len(wanted)} weights (e.g. "
+            f"{missing[0]!r}; it holds e.g. {min(saved, default='nothing')!r}): it was written by another trainer "
+            "engine, and loads only into that one (python -m ckpt_tools to-hf exports its weights, and a run can "
+            "start from them with --from)")
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -146,9 +148,14 @@ class Checkpointer:
         state = engine.checkpoint_state()
         if meta.get("load") is not None:  # another run's checkpoint (--from): only the parts it names
             state = {k: v for k, v in state.items() if k in meta["load"]}
-        if state:  # --from a checkpoint of another layout loads nothing: the weights are the exported init model
-            check_layout(path, state)
-            dcp.load(state, checkpoint_id=str(path))
+        if state:  # --from a checkpoint of another engine loads nothing: the weights are the exported init model
+            problem = layout_mismatch(path, state)
+            if problem is None:
+                dcp.load(state, checkpoint_id=str(path))
+            else:  # the same engine with another parallel layout converts what it loads; any other, refused
+                state = engine.convert_checkpoint(path, set(state))
+                if state is None:
+                    raise ValueError(problem)
             engine.load_checkpoint_state(state)
         engine.version = meta.get("engine_version", meta["step"])
         if meta.get("from"):  # this run's schedule, at the saved position when the scheduler was restored

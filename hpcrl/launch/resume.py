@@ -18,7 +18,9 @@ supervisor starts:
 3. Overrides may change only what does not change what has been trained:
    ``trainer.total_steps`` (more than the step the run resumes from),
    ``trainer.world_size`` (the sharded checkpoint is resharded onto the new
-   number of ranks; their RNG states start afresh), ``rollout.replicas``,
+   number of ranks; their RNG states start afresh), ``trainer.megatron.*``
+   (the megatron engine reshards its checkpoint onto the new tensor- and
+   pipeline-parallel sizes as it loads), ``rollout.replicas``,
    ``launch.*`` except ``launch.mode``, ``watchdog.*`` and ``eval.*``.
    Anything else is refused by name. The frozen ``config.yaml`` is
    rewritten with the change; the schedule of the learning rate follows the
@@ -37,12 +39,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hpcrl.ckpt.store import committed, latest_valid, request_rewind, verify
+from hpcrl.ckpt.store import latest_valid, request_rewind, verify
 from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
 from hpcrl.launch.control import CANCEL, cancel_requested
 
 log = logging.getLogger(__name__)
-SAFE_KEYS = ("trainer.total_steps", "trainer.world_size", "rollout.replicas", "launch.*", "watchdog.*", "eval.*")
+SAFE_KEYS = ("trainer.total_steps", "trainer.world_size", "trainer.megatron.*", "rollout.replicas", "launch.*",
+             "watchdog.*", "eval.*")
 UNSAFE_KEYS = ("launch.mode",)  # the components (colocated or not) and their checkpoints differ
 
 

@@ -1,7 +1,7 @@
 """The train-engine boundary of the trainer component (DESIGN 3.4).
 
 One seam for every training backend: FSDP2 (:mod:`hpcrl.trainer.fsdp`) and
-megatron-core (:mod:`hpcrl.trainer.mcore.engine`, tensor x data parallel).
+megatron-core (:mod:`hpcrl.trainer.mcore.engine`, tensor x pipeline x data parallel).
 Both share the algorithm of a step (:class:`hpcrl.trainer.policy.PolicyTrainer`). The trainer loop
 (:func:`hpcrl.trainer.main.train_loop`), the checkpointer
 (:class:`hpcrl.ckpt.trainer_ckpt.Checkpointer`), colocated mode and the
@@ -18,7 +18,10 @@ Lifecycle of an engine, one instance per trainer rank, every call collective
    where a critic exists), which DCP loads in place;
    :meth:`~TrainEngine.load_checkpoint_state` applies the parts loaded (a
    subset when a run starts from another run's checkpoint: weights only,
-   say); :meth:`~TrainEngine.load_schedule_state` puts the LR schedules back.
+   say); a checkpoint whose tensors do not match this engine's layout goes
+   through :meth:`~TrainEngine.convert_checkpoint` instead of loading in
+   place (the megatron engine reshards its checkpoints onto other TP/PP
+   sizes); :meth:`~TrainEngine.load_schedule_state` puts the LR schedules back.
    ``version`` is set to the checkpoint's policy version.
 3. Per step: :meth:`~TrainEngine.train_step` (all updates of one policy
    version, ``version`` then grows by one), then
@@ -67,6 +70,11 @@ class TrainEngine(Protocol):
 
         Values are state dicts DCP can save and load in place (so a
         checkpoint reloads onto another number of ranks)."""
+
+    def convert_checkpoint(self, path: Path, parts: set[str]) -> dict[str, Any] | None:
+        """``parts`` of :meth:`checkpoint_state`, read from a checkpoint of this engine that does not load in
+        place (saved with another parallel layout) and converted to this rank's; None where the engine cannot
+        (the checkpointer then refuses the checkpoint, naming the difference)."""
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Apply parts of :meth:`checkpoint_state` that were loaded in place (any subset of its keys)."""

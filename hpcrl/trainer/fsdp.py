@@ -161,6 +161,11 @@ class FSDPEngine(PolicyTrainer):
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
         return state
 
+    def convert_checkpoint(self, path: Path, parts: set[str]) -> None:
+        """None: DCP reshards an FSDP2 checkpoint onto any number of ranks itself, and another engine's
+        checkpoint does not load into this one (``--from`` takes its exported weights instead)."""
+        return None
+
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         _set(self.model, self.optimizer, state.get("model"), state.get("optim"))
         if self.critic is not None and "critic" in state:

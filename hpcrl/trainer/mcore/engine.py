@@ -40,8 +40,10 @@ weights in the optimizer (``masters``), each micro-batch's gradient summed
 into the master's in float32; checkpoints and published weights are the
 masters.
 
-Not yet: a critic (GAE) and LoRA; each is refused by name. A
-checkpoint reloads onto the same tensor- and pipeline-parallel sizes only.
+Checkpoints hold each rank's own slices; a resume onto other tensor- or
+pipeline-parallel sizes reshards them as it loads (:meth:`convert_checkpoint`).
+
+Not yet: a critic (GAE) and LoRA; each is refused by name.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.trainer.mcore import model as M
+from hpcrl.trainer.mcore.reshard import prefix, reshard, saved_layout
 from hpcrl.trainer.policy import PolicyTrainer, lr_factor
 
 log = logging.getLogger(__name__)
@@ -210,8 +213,7 @@ class MegatronEngine(PolicyTrainer):
         return M.gather_hf(self.model, self.layout, {n: self.masters[p] for p, n in self._names.items()})
 
     def _key(self, name: str) -> str:
-        at = f"tp{self.layout.tp}.{self.layout.tp_rank}"
-        return f"{at}.pp{self.layout.pp}.{self.layout.stage}/{name}" if self.layout.pp > 1 else f"{at}/{name}"
+        return f"{prefix(self.layout.tp, self.layout.tp_rank, self.layout.pp, self.layout.stage)}/{name}"
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's slices of the model and of AdamW's moments under names that carry its TP rank (data-
@@ -227,6 +229,15 @@ class MegatronEngine(PolicyTrainer):
             for k in _ADAM_KEYS:
                 optim[f"{self._key(name)}/{k}"] = state[k]
         return {"model": model, "optim": optim}
+
+    def convert_checkpoint(self, path: Path, parts: set[str]) -> dict[str, Any] | None:
+        """This rank's ``parts`` from a megatron engine checkpoint of other TP/PP sizes
+        (:func:`hpcrl.trainer.mcore.reshard.reshard`); None for another engine's checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        if saved_layout(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata) is None:
+            return None
+        return reshard(path, self.model.hf_config, self.layout, parts, self.model.pad_vocab_to)
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Apply what DCP loaded in place (:meth:`checkpoint_state`'s tensors are this engine's own: the model's

@@ -1,0 +1,149 @@
+"""A megatron engine checkpoint onto other tensor- and pipeline-parallel sizes.
+
+The engine saves each rank's own slices of the weights and of AdamW's
+moments under names that carry its place (:func:`prefix`:
+``tp<T>.<rank>[.pp<P>.<stage>]/<megatron name>``), so a checkpoint loads in
+place only onto the sizes that wrote it. :func:`reshard` gives one rank of
+another layout its state from such a checkpoint, a piece at a time (the
+embedding, each decoder layer, the final norm and output layer): it reads
+the saved slices of that piece from every TP rank of the stage that held it
+(DCP with ``no_dist``, only those tensors), merges them into the HF tensor
+(:mod:`hpcrl.trainer.mcore.convert`) and cuts this rank's slice out of it.
+AdamW's moments are elementwise, so they go through the same re-layout as
+the weights; its step count is copied. Nothing is computed, only moved, so
+the result is exact (``tests/test_megatron.py``), and a rank holds one
+piece's full tensors at a time, not the model.
+
+Every rank of the new layout calls :func:`reshard` for itself, without a
+process group; data-parallel replicas read the same slices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hpcrl.trainer.mcore import convert
+
+log = logging.getLogger(__name__)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", \
+    "output_layer.weight"
+
+
+def prefix(tp: int, tp_rank: int, pp: int, stage: int) -> str:
+    """Where a slice sits, as its checkpoint name starts: ``tp<T>.<rank>`` (and ``.pp<P>.<stage>`` when P > 1)."""
+    at = f"tp{tp}.{tp_rank}"
+    return f"{at}.pp{pp}.{stage}" if pp > 1 else at
+
+
+def saved_layout(keys: Iterable[str]) -> tuple[int, int] | None:
+    """(TP, PP) of a megatron engine checkpoint from its flattened keys (``model.tp2.0/...``); None for a
+    checkpoint of another engine."""
+    for k in keys:
+        if k.startswith("model.tp") and "/" in k:
+            at = k[len("model."):].split("/", 1)[0].split(".")
+            return int(at[0][2:]), int(at[2][2:]) if len(at) > 2 else 1
+    return None
+
+
+class _Source:
+    """The slices a checkpoint holds, read a stage and a few names at a time."""
+
+    def __init__(self, ckpt: Path, optim: bool) -> None:
+        self.ckpt, self.optim = ckpt, optim
+        self.meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        layout = saved_layout(self.meta)
+        if layout is None:
+            raise ValueError(f"{ckpt} was not written by the megatron engine")
+        self.tp, self.pp = layout
+
+    def names(self, stage: int, start: str) -> list[str]:
+        """The megatron names of stage ``stage`` (TP rank 0) that begin with ``start``."""
+        head = f"model.{prefix(self.tp, 0, self.pp, stage)}/"
+        return [k[len(head):] for k in self.meta if k.startswith(head + start)]
+
+    def read(self, stage: int, names: list[str]) -> list[dict[str, dict[str, torch.Tensor]]]:
+        """For every TP rank of ``stage``: ``{"model" | "exp_avg" | "exp_avg_sq" | "step": {name: tensor}}``."""
+        want: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
+        for r in range(self.tp):
+            for n in names:
+                key = f"{prefix(self.tp, r, self.pp, stage)}/{n}"
+                want["model"][key] = self._empty(f"model.{key}")
+                if self.optim:
+                    for k in (*MOMENTS, "step"):
+                        want["optim"][f"{key}/{k}"] = self._empty(f"optim.{key}/{k}")
+        dcp.load(want if self.optim else {"model": want["model"]}, checkpoint_id=str(self.ckpt), no_dist=True)
+        out = []
+        for r in range(self.tp):
+            at = prefix(self.tp, r, self.pp, stage)
+            kinds = {"model": {n: want["model"][f"{at}/{n}"] for n in names}}
+            if self.optim:
+                kinds.update({k: {n: want["optim"][f"{at}/{n}/{k}"] for n in names} for k in (*MOMENTS, "step")})
+            out.append(kinds)
+        return out
+
+    def _empty(self, key: str) -> torch.Tensor:
+        if key not in self.meta:
+            raise ValueError(f"{self.ckpt} has no {key!r}: not a whole megatron engine checkpoint")
+        m = self.meta[key]
+        return torch.empty(tuple(m.size), dtype=m.properties.dtype)
+
+
+def reshard(ckpt: Path, hf_config: Any, layout, parts: Iterable[str], pad_vocab_to: int = 1) -> dict[str, Any]:
+    """This rank's ``model`` (and ``optim``, when in ``parts``) state from a megatron engine checkpoint of
+    other TP/PP sizes, under the names :meth:`MegatronEngine.checkpoint_state` gives them for ``layout``."""
+    t0 = time.time()
+    src = _Source(Path(ckpt), "optim" in parts)
+    layers, tied = int(hf_config.num_hidden_layers), bool(getattr(hf_config, "tie_word_embeddings", False))
+    kinds = ("model", *MOMENTS) if src.optim else ("model",)
+    mine: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (*kinds, "step")}
+
+    def put(saved: list[Mapping[str, Mapping[str, torch.Tensor]]], made: dict[str, dict[str, torch.Tensor]]) -> None:
+        for kind, tensors in made.items():
+            mine[kind].update(tensors)
+        if src.optim:  # AdamW counts its steps per tensor; every tensor took each step
+            step = next(iter(saved[0]["step"].values()))
+            mine["step"].update({n: step.clone() for n in made["model"]})
+
+    def vocab(stage: int, name: str, to: str) -> None:
+        saved = src.read(stage, [name])
+        put(saved, {k: {to: convert.vocab_to_mcore(convert.vocab_to_hf([s[k][name] for s in saved], hf_config),
+                                                   hf_config, layout.tp, layout.tp_rank, pad_vocab_to)}
+                    for k in kinds})
+
+    per_saved = layers // src.pp
+    if layout.first_stage:
+        vocab(0, EMBEDDING, EMBEDDING)
+    for local, i in enumerate(convert.stage_layers(layers, layout.pp, layout.stage)):
+        stage, at = divmod(i, per_saved)
+        head = f"decoder.layers.{at}."
+        names = src.names(stage, head)
+        saved = src.read(stage, names)
+        made = {}
+        for k in kinds:
+            hf = convert.layer_to_hf([{n[len(head):]: s[k][n] for n in names} for s in saved], hf_config)
+            made[k] = {f"decoder.layers.{local}.{n}": t for n, t in
+                       convert.layer_to_mcore(hf, hf_config, layout.tp, layout.tp_rank).items()}
+        put(saved, made)
+    if layout.last_stage:
+        saved = src.read(src.pp - 1, [FINAL_NORM])
+        put(saved, {k: {FINAL_NORM: saved[0][k][FINAL_NORM].clone()} for k in kinds})
+        if not tied:
+            vocab(src.pp - 1, OUTPUT, OUTPUT)
+        elif layout.pp > 1:  # the last stage's copy of the tied embedding
+            vocab(0, EMBEDDING, OUTPUT)
+    at = prefix(layout.tp, layout.tp_rank, layout.pp, layout.stage)
+    state: dict[str, Any] = {"model": {f"{at}/{n}": t for n, t in mine["model"].items()}}
+    if src.optim:
+        state["optim"] = {f"{at}/{n}/{k}": mine[k][n] for n in mine["model"] for k in (*MOMENTS, "step")}
+    log.info("checkpoint %s of TP=%d PP=%d resharded onto TP rank %d of %d, stage %d of %d: %d tensors in %.2fs",
+             ckpt, src.tp, src.pp, layout.tp_rank, layout.tp, layout.stage, layout.pp, len(mine["model"]),
+             time.time() - t0)
+    return state
