@@ -59,9 +59,9 @@ def test_splitting_into_parallel_ranks_and_merging_back_is_exact(tied, tp, pp) -
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("saved,wanted", [((2, 1), (1, 2)), ((1, 2), (2, 2)), ((2, 2), (1, 1)), ((2, 2), (2, 1))])
 def test_a_checkpoint_reshards_exactly_onto_other_parallel_sizes(tmp_path, tied, saved, wanted) -> None:
-    """A checkpoint as the engine writes it (each rank's slices of the weights and of AdamW's moments) on
-    ``saved`` = (TP, PP), read by every rank of ``wanted``: each gets exactly the slices of the same weights
-    and moments that a trainer of that layout would have saved."""
+    """A checkpoint as the engine writes it (each rank's slices of the weights and of AdamW's moments, of the
+    policy and of a critic) on ``saved`` = (TP, PP), read by every rank of ``wanted``: each gets exactly the
+    slices of the same weights and moments that a trainer of that layout would have saved."""
     import torch.distributed.checkpoint as dcp
 
     from hpcrl.trainer.mcore.model import Layout
@@ -76,18 +76,25 @@ def test_a_checkpoint_reshards_exactly_onto_other_parallel_sizes(tmp_path, tied,
         for k in ("exp_avg", "exp_avg_sq"):
             kinds[k]["lm_head.weight"] = kinds[k]["model.embed_tokens.weight"]
 
+    head = {k: {"output_layer.weight": torch.randn(1, 32), "output_layer.bias": torch.randn(1)} for k in kinds}
+
     def written(tp: int, pp: int, r: int, s: int) -> dict:
         at = prefix(tp, r, pp, s)
-        state: dict = {"model": {}, "optim": {}}
-        parts = {k: convert.hf_to_mcore(v, model.config, tp, r, pp, s) for k, v in kinds.items()}
-        for name, t in parts["model"].items():
-            state["model"][f"{at}/{name}"] = t
-            state["optim"].update({f"{at}/{name}/{k}": parts[k][name] for k in ("exp_avg", "exp_avg_sq")})
-            state["optim"][f"{at}/{name}/step"] = torch.tensor(7.0)
+        state: dict = {"model": {}, "optim": {}, "critic": {}, "critic_optim": {}}
+        policy = {k: convert.hf_to_mcore(v, model.config, tp, r, pp, s) for k, v in kinds.items()}
+        # the critic: the decoder's weights negated, a value head (on every TP rank) in place of the output layer
+        critic = {k: {n: -t for n, t in v.items() if not n.startswith("output_layer")} for k, v in policy.items()}
+        for k in critic:
+            critic[k].update(head[k] if s == pp - 1 else {})
+        for (part, optim), parts in ((("model", "optim"), policy), (("critic", "critic_optim"), critic)):
+            for name, t in parts["model"].items():
+                state[part][f"{at}/{name}"] = t
+                state[optim].update({f"{at}/{name}/{k}": parts[k][name] for k in ("exp_avg", "exp_avg_sq")})
+                state[optim][f"{at}/{name}/step"] = torch.tensor(7.0)
         return state
 
     tp, pp = saved
-    everything: dict = {"model": {}, "optim": {}}
+    everything: dict = {"model": {}, "optim": {}, "critic": {}, "critic_optim": {}}
     for s in range(pp):
         for r in range(tp):
             for part, tensors in written(tp, pp, r, s).items():
@@ -96,9 +103,9 @@ def test_a_checkpoint_reshards_exactly_onto_other_parallel_sizes(tmp_path, tied,
     tp, pp = wanted
     for s in range(pp):
         for r in range(tp):
-            got = reshard(tmp_path / "ckpt", model.config, Layout(tp, pp, 1, r, s, 0), {"model", "optim"})
+            got = reshard(tmp_path / "ckpt", model.config, Layout(tp, pp, 1, r, s, 0), set(everything))
             expected = written(tp, pp, r, s)
-            for part in ("model", "optim"):
+            for part in everything:
                 assert got[part].keys() == expected[part].keys()
                 assert all(torch.equal(got[part][k], expected[part][k]) for k in expected[part]), (part, r, s)
             weights_only = reshard(tmp_path / "ckpt", model.config, Layout(tp, pp, 1, r, s, 0), {"model"})
@@ -141,9 +148,9 @@ def test_a_parallel_gpt_model_computes_the_hf_logits_and_gathers_the_hf_weights(
     assert results[0]["names_differ"] == [] and results[0]["unequal"] == [], results[0]
 
 
-def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens, pp=1) -> None:
-    """Two steps of the default objective with SGD (linear in the gradient, so a wrong loss or gradient scale
-    shows), then the HF weights and the step statistics on rank 0."""
+def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens, pp=1, gae=False) -> None:
+    """Two steps of the default objective (``gae``: PPO with a critic and GAE) with SGD (linear in the gradient,
+    so a wrong loss or gradient scale shows), then the HF weights and the step statistics on rank 0."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from test_trainer import make_groups
@@ -158,10 +165,14 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     cfg = TrainerConfig(engine=engine_name, world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
                         micro_batch_tokens=micro_tokens, n_minibatches=2, grad_clip=0.5,
                         megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp))
-    engine = build_train_engine(engine_name, model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    algo = AlgoConfig(adv_estimator="gae", gamma=0.95, lam=0.9, value_clip=0.05) if gae else AlgoConfig()
+    engine = build_train_engine(engine_name, model_path, cfg, algo, ctx, pad_id=0)
     engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=0.5)
     engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
-    seqs, _ = B.to_sequences(make_groups(n_groups=6, group_size=4), AlgoConfig())
+    if gae:
+        engine.critic_optimizer = torch.optim.SGD(engine.critic.parameters(), lr=0.5)
+        engine.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.critic_optimizer, lambda s: 1.0)
+    seqs, _ = B.to_sequences(make_groups(n_groups=6, group_size=4), algo)
     stats = [engine.train_step(seqs) for _ in range(2)]
     state = engine.full_state_dict()
     if rank == 0:
@@ -169,10 +180,10 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     torch.distributed.destroy_process_group()
 
 
-def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000, pp=1) -> dict:
+def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000, pp=1, gae=False) -> dict:
     from spawn_ranks import spawn_ranks
 
-    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens, pp)
+    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens, pp, gae)
     return torch.load(out)
 
 
@@ -202,6 +213,21 @@ def test_megatron_steps_equal_the_fsdp_engine(tmp_path, fsdp_steps, world, tp, p
     keys = ("loss/value", "grad/norm") + (("loss/clip_fraction",) if world == tp * pp else ())
     for a, b in zip(got["stats"], ref["stats"]):
         for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (2, 1, 2)], ids=["TP=2", "PP=2"])
+def test_a_megatron_critic_trains_as_the_fsdp_critic(tmp_path, fsdp_steps, world, tp, pp) -> None:
+    """PPO with GAE: the critic (the decoder with a value head, its own optimizer) gives the FSDP2 critic's values
+    and value loss, before and after a step, and the policy step that its advantages make."""
+    model_path = fsdp_steps[0]
+    ref = _train(1, model_path, tmp_path / "fsdp.pt", "fsdp", gae=True)
+    got = _train(world, model_path, tmp_path / "megatron.pt", "megatron", tp, 32, pp, gae=True)
+    assert ref["stats"][0]["value/loss"] > 0 and ref["stats"][1]["value/mean"] != ref["stats"][0]["value/mean"]
+    for k in ref["weights"]:
+        torch.testing.assert_close(got["weights"][k], ref["weights"][k], atol=2e-5, rtol=1e-4)
+    for a, b in zip(got["stats"], ref["stats"]):
+        for key in ("loss/value", "grad/norm", "value/loss", "value/mean", "value/return_mean", "adv/return_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
@@ -237,18 +263,20 @@ def _dtype_rank(rank, world, port, model_path, out, dtype: str, pp: int) -> None
     ctx = init_from_env("gloo")
     cfg = TrainerConfig(engine="megatron", world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
                         megatron=MegatronSettings(pipeline_parallel=pp))
-    engine = build_train_engine("megatron", model_path, cfg, AlgoConfig(), ctx, pad_id=0, dtype=dtype)
-    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())
+    algo = AlgoConfig(adv_estimator="gae", critic_lr=1e-2)
+    engine = build_train_engine("megatron", model_path, cfg, algo, ctx, pad_id=0, dtype=dtype)
+    seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), algo)
     mb = B.collate(seqs, pad_id=0)
     with torch.no_grad():
         logp = engine._forward(mb, entropy=None)[0]
     engine.train_step(seqs)
-    optim = [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-             and v.dim() > 0]
+    optim = [v for opt in (engine.optimizer, engine.critic_optimizer) for state in opt.state.values()
+             for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     state = engine.full_state_dict()
     if rank == 0:
         torch.save({"logp": logp, "mask": mb.mask, "state": {k: v.clone() for k, v in state.items()},
-                    "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+                    "param_dtypes": sorted({str(p.dtype) for m in (engine.model, engine.critic)
+                                            for p in m.parameters()}),
                     "master_dtypes": sorted({str(m.dtype) for m in engine.masters.values()}),
                     "optim_dtypes": sorted({str(v.dtype) for v in optim})}, out)
     torch.distributed.destroy_process_group()
@@ -256,9 +284,9 @@ def _dtype_rank(rank, world, port, model_path, out, dtype: str, pp: int) -> None
 
 def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp: int = 2) -> None:
     """model.dtype=bfloat16 with the megatron engine on two pipeline stages (a tied embedding: its copy on the
-    last stage has a master too): parameters and compute in bf16, float32 master weights (gradients summed into
-    them in float32), optimizer state, published weights and logprobs in float32; the step goes where the
-    float32 step goes."""
+    last stage has a master too), PPO with a critic: parameters and compute in bf16 (the critic's too), float32
+    master weights (gradients summed into them in float32), optimizer state, published weights and logprobs in
+    float32; the step goes where the float32 step goes."""
     from spawn_ranks import spawn_ranks
 
     model_path = tmp_path / "model"

@@ -391,9 +391,12 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) 
     """trainer.engine=megatron with tensor_parallel=2 or pipeline_parallel=2 (gloo): killed -9 after step 4 and
     resumed from the step-3 checkpoint (each rank's slices of the weights and of AdamW's state), the published
     weights equal an uninterrupted run's bit for bit, and every group is trained once. Resumed onto other
-    sizes (TP = 2 onto PP = 2) the checkpoint is resharded and training goes on to the same weights."""
+    sizes (TP = 2 onto PP = 2) the checkpoint is resharded and training goes on to the same weights. The TP = 2
+    runs train PPO with a critic (GAE): its weights and AdamW state are checkpointed and resharded too."""
     pytest.importorskip("megatron.core")
     megatron = ("trainer.engine=megatron", f"trainer.megatron.{parallel}=2")
+    if parallel == "tensor_parallel":
+        megatron += ("algo.adv_estimator=gae", "algo.drop_uniform_groups=false", "algo.critic_lr=1e-2")
     a = uninterrupted(tmp_path / "a", assets, 2, megatron)
     b = killed_and_resumed(tmp_path / "b", assets, 2, 2, megatron)
     init = load_file(str(assets / "model" / "model.safetensors"))
@@ -414,7 +417,8 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) 
         c = killed_and_resumed(tmp_path / "c", assets, 2, 2, megatron, ("trainer.megatron.tensor_parallel=1",
                                                                          "trainer.megatron.pipeline_parallel=2"))
         log = (tmp_path / "c" / "trainer-r1.out").read_text()
-        assert "TP=2 PP=1 resharded onto TP rank 0 of 1, stage 1 of 2" in log
+        assert "(model) of TP=2 PP=1 resharded onto TP rank 0 of 1, stage 1 of 2" in log
+        assert "(critic) of TP=2 PP=1 resharded onto TP rank 0 of 1, stage 1 of 2" in log
         for k in a:  # the same steps, summed in another order
             torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=1e-4)
         assert audit(tmp_path / "c").ok

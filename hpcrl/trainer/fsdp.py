@@ -51,7 +51,7 @@ from hpcrl.runtime.dist import DistContext
 from hpcrl.model.hf_io import load_model
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
-from hpcrl.trainer.policy import PolicyTrainer, lr_factor  # noqa: F401 (lr_factor re-exported)
+from hpcrl.trainer.policy import PolicyTrainer, initial_value_head, lr_factor  # noqa: F401 (lr_factor re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ class FSDPEngine(PolicyTrainer):
 
             critic = AutoModelForTokenClassification.from_pretrained(
                 str(model_path), num_labels=1, dtype=torch.float32, local_files_only=True)
+            weight, bias = initial_value_head(critic.config.hidden_size, critic.config.initializer_range)
+            with torch.no_grad():
+                critic.score.weight.copy_(weight)
+                critic.score.bias.copy_(bias)
             self.critic = shard(critic)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr,
                                                       betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)

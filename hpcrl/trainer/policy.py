@@ -52,6 +52,17 @@ from hpcrl.algo.losses import decoupled_ppo_loss, loss_normaliser
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 
+VALUE_HEAD_SEED = 0
+
+
+def initial_value_head(hidden_size: int, initializer_range: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's value head at the start of a run, ``(weight [1, hidden], bias [1])``: the HF initialisation
+    of a token-classification head (normal weights, zero bias) from a generator of its own, so every engine,
+    every layout and every rank starts from the same head whatever else drew random numbers before."""
+    gen = torch.Generator().manual_seed(VALUE_HEAD_SEED)
+    return torch.randn(1, hidden_size, generator=gen) * initializer_range, torch.zeros(1)
+
+
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
     """Multiplier of the peak lr at optimizer update ``step`` (0-based)."""
     if step < cfg.warmup_steps:

@@ -4,9 +4,10 @@ Lifecycle: megatron-core's parallel groups over the trainer's ranks
 (``trainer.megatron.tensor_parallel`` x data parallel; on a machine without
 CUDA the redirection of :mod:`hpcrl.trainer.mcore.cpu`) -> this rank's
 GPTModel from the HF folder (:mod:`hpcrl.trainer.mcore.model`), torch AdamW
-over its local parameters and the LR schedule; a frozen reference GPTModel
-when a KL term is on -> per step :meth:`train_step`, the algorithm every
-engine shares (:class:`hpcrl.trainer.policy.PolicyTrainer`): the ranks of one
+over its local parameters and the LR schedule; a critic with its own when
+the algorithm needs one; a frozen reference GPTModel when a KL term is on
+-> per step :meth:`train_step`, the algorithm every engine shares
+(:class:`hpcrl.trainer.policy.PolicyTrainer`): the ranks of one
 tensor-parallel group see the same micro-batches, the data-parallel ranks
 different ones -> :meth:`full_state_dict` gathers the HF-named weights on
 rank 0 for publication -> checkpoints: every rank's own slices of the model
@@ -40,17 +41,24 @@ weights in the optimizer (``masters``), each micro-batch's gradient summed
 into the master's in float32; checkpoints and published weights are the
 masters.
 
-Checkpoints hold each rank's own slices; a resume onto other tensor- or
+A critic (``algo.adv_estimator: gae``): a second GPTModel of the same
+layout with a value head in place of the output layer
+(:class:`hpcrl.trainer.mcore.model.ValueHead`), trained beside the policy by
+its own AdamW and schedule under the same gradient rules; its values come
+from the last stage as the logprobs do.
+
+Checkpoints hold each rank's own slices (of the critic too, as the parts
+``critic`` and ``critic_optim``); a resume onto other tensor- or
 pipeline-parallel sizes reshards them as it loads (:meth:`convert_checkpoint`).
 
-Not yet: a critic (GAE) and LoRA; each is refused by name.
+Not yet: LoRA, refused by name.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -76,86 +84,105 @@ class MegatronEngine(PolicyTrainer):
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
                  pad_id: int, dtype: torch.dtype = torch.float32) -> None:
         settings = cfg.megatron
-        for refused, why in ((algo.adv_estimator == "gae", "algo.adv_estimator=gae: the megatron engine has no "
-                              "critic yet (use trainer.engine=fsdp)"),
-                             (cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
+        for refused, why in ((cfg.lora.rank > 0, "trainer.lora: LoRA is not built for the megatron engine yet"),
                              (dtype == torch.float16, "model.dtype=float16: training in float16 needs loss "
                               "scaling, which the megatron engine does not do; use bfloat16")):
             if refused:
                 raise ValueError(why)
-        self.cfg, self.algo, self.ctx, self.pad_id = cfg, algo, ctx, pad_id
+        self.cfg, self.algo, self.ctx, self.pad_id, self.dtype = cfg, algo, ctx, pad_id, dtype
         self.layout = M.init_parallel(settings.tensor_parallel, settings.pipeline_parallel)
         from megatron.core import parallel_state as ps
 
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp, ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: the ranks that hold one replica's parameters
+        # the weights each optimizer updates (``masters``): the parameters themselves in float32; float32 copies
+        # of them (of the HF weights, not of their bfloat16 rounding) when the models compute in bfloat16
+        self._names: dict[torch.Tensor, str] = {}
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
         hf_state = M.hf_weights(model_path)
-        self.model = M.build(model_path, self.layout, dtype, hf_state=hf_state)
-        if cfg.activation_checkpointing:
-            M.checkpoint_layers(self.model)
-        self._names = {p: n for n, p in self.model.named_parameters()}
-        # the weights the optimizer updates: the parameters themselves in float32; float32 copies of them (of
-        # the HF weights, not of their bfloat16 rounding) when the model computes in bfloat16
-        self.masters = {p: p for p in self.model.parameters()}
-        if dtype != torch.float32:
-            own = M.rank_weights(self.model, hf_state, self.layout)
-            self.masters = {p: own[n].to(torch.float32).clone() for p, n in self._names.items()}
+        self.model = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state), hf_state)
+        self.optimizer, self.scheduler = self._adamw(self.model, cfg.lr)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if algo.adv_estimator == "gae":  # the same decoder with a value head, trained alongside by its own AdamW
+            self.critic = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state, critic=True),
+                                        hf_state)
+            self.critic_optimizer, self.critic_scheduler = self._adamw(self.critic, algo.critic_lr)
         del hf_state
-        self.optimizer = torch.optim.AdamW(list(self.masters.values()), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
-        if dtype != torch.float32:
-            self.optimizer.register_step_post_hook(lambda *_: self._masters_to_model())
-            for p in self.masters:  # each micro-batch's gradient is summed into the master's in float32
-                p.register_post_accumulate_grad_hook(self._to_master_grad)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.version = 0
         self.ref_model = None
         if algo.needs_reference:
             self.ref_model = M.build(model_path, self.layout, dtype).eval()
             self.ref_model.requires_grad_(False)
-        self.critic = self.critic_optimizer = self.critic_scheduler = None
-        log.info("megatron engine: TP %d x PP %d x DP %d (this rank: TP rank %d, stage %d, DP rank %d)",
+        log.info("megatron engine: TP %d x PP %d x DP %d (this rank: TP rank %d, stage %d, DP rank %d)%s",
                  self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.stage,
-                 self.layout.dp_rank)
+                 self.layout.dp_rank, ", with a critic" if self.critic is not None else "")
+
+    def _trained(self, model: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """``model`` made ready to train: its layers recomputed in the backward pass when activation
+        checkpointing is on, its parameters named and given their float32 masters."""
+        if self.cfg.activation_checkpointing:
+            M.checkpoint_layers(model)
+        self._names.update({p: n for n, p in model.named_parameters()})
+        if self.dtype == torch.float32:
+            self.masters.update({p: p for p in model.parameters()})
+            return model
+        own = M.rank_weights(model, hf_state, self.layout)
+        for n, p in model.named_parameters():
+            self.masters[p] = own[n].to(torch.float32).clone()
+            p.register_post_accumulate_grad_hook(self._to_master_grad)  # each micro-batch's gradient, in float32
+        return model
+
+    def _adamw(self, model: torch.nn.Module, lr: float) -> tuple[torch.optim.Optimizer, Any]:
+        """AdamW over ``model``'s master weights and its LR schedule."""
+        optimizer = torch.optim.AdamW([self.masters[p] for p in model.parameters()], lr=lr,
+                                      betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        if self.dtype != torch.float32:
+            optimizer.register_step_post_hook(lambda *_: self._masters_to_model(model))
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, self.cfg))
 
     # -- the model side of PolicyTrainer ----------------------------------------
     def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
                  entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
         model = model or self.model
+
+        def from_logits(out: torch.Tensor) -> list[torch.Tensor]:
+            logits = out[:, :-1, : model.hf_config.vocab_size].float()
+            logp = token_logprobs(logits, mb.targets, self.algo.temperature)
+            if entropy is None:
+                return [logp]
+            return [logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)]
+
         out = M.stage_forward(model, mb.input_ids, self.layout)  # right padding: the causal mask is enough
-        if not self.layout.last_stage:
-            return self._from_last_stage(out, mb, entropy)
-        logits = out[:, :-1, : model.hf_config.vocab_size].float()
-        logp = token_logprobs(logits, mb.targets, self.algo.temperature)
-        ent = None
-        if entropy is not None:
-            ent = token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)
-        if self.layout.pp > 1:  # every stage computes the same loss and statistics from these
-            from megatron.core import parallel_state as ps
-
-            for t in (logp, ent) if ent is not None else (logp,):
-                dist.broadcast(t.detach(), src=ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
-        return logp, ent
-
-    def _from_last_stage(self, sent: torch.Tensor, mb: B.MicroBatch, entropy: str | None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A stage before the last: the logprobs (and entropies) the last stage broadcast, differentiable in the
-        hidden states this stage sent, so that the loss's backward pass runs this stage's part of it."""
-        from megatron.core import parallel_state as ps
-
-        values = [torch.empty(mb.targets.shape) for _ in range(1 if entropy is None else 2)]
-        for t in values:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
-        if not torch.is_grad_enabled():
-            return values[0], values[1] if entropy is not None else None
-        out = M.FromNext.apply(sent, ps.get_pipeline_model_parallel_next_rank(), *values)
-        return out[0], out[1] if entropy is not None else None
+        computed = self._from_last_stage(out, mb, from_logits, 1 if entropy is None else 2)
+        return computed[0], computed[1] if entropy is not None else None
 
     def _values(self, mb: B.MicroBatch) -> torch.Tensor:
-        raise NotImplementedError("the megatron engine has no critic")
+        out = M.stage_forward(self.critic, mb.input_ids, self.layout)
+        return self._from_last_stage(out, mb, lambda values: [values[:, :-1, 0].float()], 1)[0]
+
+    def _from_last_stage(self, out: torch.Tensor, mb: B.MicroBatch,
+                         compute: Callable[[torch.Tensor], list[torch.Tensor]], n: int) -> list[torch.Tensor]:
+        """The ``n`` per-token tensors the last stage computes from its output (``compute``), on every stage,
+        so that each computes the same loss and statistics: the last stage broadcasts them; on a stage before
+        it they are differentiable in the hidden states this stage sent (``out``), so that the loss's backward
+        pass runs this stage's part of it (the gradients of the tensors themselves are the last stage's)."""
+        if self.layout.pp == 1:
+            return compute(out)
+        from megatron.core import parallel_state as ps
+
+        src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        if self.layout.last_stage:
+            computed = compute(out)
+            for t in computed:  # (a slice of the output is not contiguous: broadcast would send its storage)
+                dist.broadcast(t.detach().contiguous(), src=src, group=group)
+            return computed
+        received = [torch.empty(mb.targets.shape) for _ in range(n)]
+        for t in received:
+            dist.broadcast(t, src=src, group=group)
+        if not torch.is_grad_enabled():
+            return received
+        return list(M.FromNext.apply(out, ps.get_pipeline_model_parallel_next_rank(), *received))
 
     def _grad_scale(self) -> int:
         return self.dp_size  # gradients are averaged over the data-parallel group in _clip
@@ -201,34 +228,45 @@ class MegatronEngine(PolicyTrainer):
         master.grad = grad if master.grad is None else master.grad.add_(grad)
         p.grad = None
 
-    def _masters_to_model(self) -> None:
-        """After an optimizer step: the model computes with its master weights, rounded to its dtype."""
+    def _masters_to_model(self, model: torch.nn.Module) -> None:
+        """After an optimizer step: ``model`` computes with its master weights, rounded to its dtype."""
         with torch.no_grad():
-            for p, master in self.masters.items():
-                p.copy_(master)
+            for p in model.parameters():
+                p.copy_(self.masters[p])
 
     # -- weights and checkpoints ---------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights on rank 0 (empty elsewhere); every rank must call it."""
-        return M.gather_hf(self.model, self.layout, {n: self.masters[p] for p, n in self._names.items()})
+        """HF-named full weights of the policy on rank 0 (empty elsewhere); every rank must call it."""
+        return M.gather_hf(self.model, self.layout, {n: self.masters[p] for n, p in self.model.named_parameters()})
 
     def _key(self, name: str) -> str:
         return f"{prefix(self.layout.tp, self.layout.tp_rank, self.layout.pp, self.layout.stage)}/{name}"
 
+    def _trained_parts(self) -> list[tuple[str, str, torch.nn.Module, torch.optim.Optimizer]]:
+        """(model part, optimizer part, model, its optimizer) of each trained model, as checkpoints name them."""
+        parts = [("model", "optim", self.model, self.optimizer)]
+        if self.critic is not None:
+            parts.append(("critic", "critic_optim", self.critic, self.critic_optimizer))
+        return parts
+
     def checkpoint_state(self) -> dict[str, Any]:
-        """This rank's slices of the model and of AdamW's moments under names that carry its TP rank (data-
-        parallel replicas hold the same ones), so DCP stores each slice once and loads it in place."""
-        model = {self._key(n): self.masters[p].detach() for p, n in self._names.items()}  # loaded in place
-        optim: dict[str, Any] = {}
-        for p, name in self._names.items():
-            master = self.masters[p]
-            state = self.optimizer.state[master]
-            if not state:  # before the first step: the zeros AdamW would start from, so a load has targets
-                state.update(exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                             step=torch.tensor(0.0))
-            for k in _ADAM_KEYS:
-                optim[f"{self._key(name)}/{k}"] = state[k]
-        return {"model": model, "optim": optim}
+        """This rank's slices of the model (and of the critic) and of AdamW's moments, under names that carry
+        its TP rank and stage (data-parallel replicas hold the same ones), so DCP stores each slice once and
+        loads it in place."""
+        state: dict[str, Any] = {}
+        for model_part, optim_part, model, optimizer in self._trained_parts():
+            state[model_part] = {self._key(n): self.masters[p].detach() for n, p in model.named_parameters()}
+            optim: dict[str, Any] = {}
+            for name, p in model.named_parameters():
+                master = self.masters[p]
+                moments = optimizer.state[master]
+                if not moments:  # before the first step: the zeros AdamW would start from, so a load has targets
+                    moments.update(exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                                   step=torch.tensor(0.0))
+                for k in _ADAM_KEYS:
+                    optim[f"{self._key(name)}/{k}"] = moments[k]
+            state[optim_part] = optim
+        return state
 
     def convert_checkpoint(self, path: Path, parts: set[str]) -> dict[str, Any] | None:
         """This rank's ``parts`` from a megatron engine checkpoint of other TP/PP sizes
@@ -240,17 +278,18 @@ class MegatronEngine(PolicyTrainer):
         return reshard(path, self.model.hf_config, self.layout, parts, self.model.pad_vocab_to)
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Apply what DCP loaded in place (:meth:`checkpoint_state`'s tensors are this engine's own: the model's
+        """Apply what DCP loaded in place (:meth:`checkpoint_state`'s tensors are this engine's own: the
         parameters were written directly; the optimizer's moments are its state's tensors)."""
-        if "model" in state:
-            with torch.no_grad():
-                for p, n in self._names.items():
-                    src, master = state["model"][self._key(n)], self.masters[p]
-                    if src.data_ptr() != master.data_ptr():
-                        master.copy_(src)
-                    if master is not p:
-                        p.copy_(master)
-        if "optim" in state:
-            for p, name in self._names.items():
-                self.optimizer.state[self.masters[p]].update(
-                    {k: state["optim"][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})
+        for model_part, optim_part, model, optimizer in self._trained_parts():
+            if model_part in state:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        src, master = state[model_part][self._key(n)], self.masters[p]
+                        if src.data_ptr() != master.data_ptr():
+                            master.copy_(src)
+                        if master is not p:
+                            p.copy_(master)
+            if optim_part in state:
+                for name, p in model.named_parameters():
+                    optimizer.state[self.masters[p]].update(
+                        {k: state[optim_part][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})

@@ -67,10 +67,27 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Layout:
                   ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
 
 
+class ValueHead(torch.nn.Module):
+    """The critic's output layer in place of the vocabulary projection: one value per token from the final
+    hidden states (``[seq, batch, 1]``), as HF's token-classification head with one label. Replicated on every
+    tensor-parallel rank: its input is, so each rank computes the same value and the same gradient (the
+    clipping norm counts it once, as every parameter without a ``tensor_model_parallel`` mark)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
 def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.float32, pad_vocab_to: int = 1,
-          hf_state: dict[str, torch.Tensor] | None = None):
+          hf_state: dict[str, torch.Tensor] | None = None, critic: bool = False):
     """This rank's GPTModel (its stage, its TP slices) with the weights of the HF model at ``model_path``
-    (``hf_state``: weights to use instead, e.g. a published version)."""
+    (``hf_state``: weights to use instead, e.g. a published version). ``critic``: the same decoder with a
+    :class:`ValueHead` (:func:`hpcrl.trainer.policy.initial_value_head`) instead of the output layer, and
+    embeddings of its own (never tied)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from transformers import AutoConfig
@@ -78,15 +95,24 @@ def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.flo
     hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
     config = convert.transformer_config(hf_config, layout.tp, layout.pp, dtype)
     spec = get_gpt_layer_local_spec(qk_layernorm=convert.has_qk_norm(hf_config), normalization="RMSNorm")
+    kwargs = convert.model_kwargs(hf_config, layout.tp, pad_vocab_to)
+    if critic:
+        kwargs["share_embeddings_and_output_weights"] = False
     with cpu.building():
         model = GPTModel(config, transformer_layer_spec=spec, pre_process=layout.first_stage,
-                         post_process=layout.last_stage, parallel_output=False,
-                         **convert.model_kwargs(hf_config, layout.tp, pad_vocab_to))
-    load_hf(model, hf_weights(model_path) if hf_state is None else hf_state, hf_config, layout, pad_vocab_to)
+                         post_process=layout.last_stage, parallel_output=False, **kwargs)
+    if critic and layout.last_stage:
+        from hpcrl.trainer.policy import initial_value_head
+
+        model.output_layer = ValueHead(*initial_value_head(hf_config.hidden_size,
+                                                           getattr(hf_config, "initializer_range", 0.02)))
+    load_hf(model, hf_weights(model_path) if hf_state is None else hf_state, hf_config, layout, pad_vocab_to,
+            critic=critic)
     if dtype != torch.float32:  # every parameter, norms included, as megatron-core's Float16Module casts them
         model.to(dtype)
     model.hf_config = hf_config
     model.pad_vocab_to = pad_vocab_to
+    model.is_critic = critic
     return model
 
 
@@ -120,20 +146,27 @@ def rank_weights(model, hf_state: dict[str, torch.Tensor], layout: Layout) -> di
     float32 master weights of a model that computes in bfloat16)."""
     state = convert.hf_to_mcore(hf_state, model.hf_config, layout.tp, layout.tp_rank, layout.pp, layout.stage,
                                 model.pad_vocab_to)
+    if model.is_critic and layout.last_stage:  # the value head the critic starts from, not the vocabulary
+        from hpcrl.trainer.policy import initial_value_head
+
+        state["output_layer.weight"], state["output_layer.bias"] = initial_value_head(
+            model.hf_config.hidden_size, getattr(model.hf_config, "initializer_range", 0.02))
     return {n: state[n] for n, _ in model.named_parameters()}
 
 
 def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config: Any, layout: Layout,
-            pad_vocab_to: int = 1) -> None:
-    """Put HF weights into this rank's GPTModel; every parameter must be covered."""
+            pad_vocab_to: int = 1, critic: bool = False) -> None:
+    """Put HF weights into this rank's GPTModel; every parameter must be covered (but a critic's value head)."""
     if "lm_head.weight" not in hf_state and not getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("untied model without lm_head.weight")
     state = convert.hf_to_mcore(hf_state, hf_config, layout.tp, layout.tp_rank, layout.pp, layout.stage,
                                 pad_vocab_to)
+    if critic:
+        state = {k: v for k, v in state.items() if not k.startswith("output_layer.")}
     params = dict(model.state_dict())
     state = {k: v.to(params[k].dtype) for k, v in state.items() if k in params}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and not (critic and k.startswith("output_layer"))]
     if missing or unexpected:
         raise ValueError(f"HF -> megatron weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 

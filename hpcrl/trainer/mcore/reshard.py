@@ -10,7 +10,9 @@ the saved slices of that piece from every TP rank of the stage that held it
 (DCP with ``no_dist``, only those tensors), merges them into the HF tensor
 (:mod:`hpcrl.trainer.mcore.convert`) and cuts this rank's slice out of it.
 AdamW's moments are elementwise, so they go through the same re-layout as
-the weights; its step count is copied. Nothing is computed, only moved, so
+the weights; its step count is copied. A critic (PPO with GAE) is the same
+decoder with a value head in place of the output layer, replicated on every
+TP rank: it reshards the same way, under its own parts. Nothing is computed, only moved, so
 the result is exact (``tests/test_megatron.py``), and a rank holds one
 piece's full tensors at a time, not the model.
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", \
     "output_layer.weight"
+VALUE_BIAS = "output_layer.bias"  # a critic's value head: OUTPUT [1, hidden] and this, on every TP rank
 
 
 def prefix(tp: int, tp_rank: int, pp: int, stage: int) -> str:
@@ -54,10 +57,11 @@ def saved_layout(keys: Iterable[str]) -> tuple[int, int] | None:
 
 
 class _Source:
-    """The slices a checkpoint holds, read a stage and a few names at a time."""
+    """The slices of one model a checkpoint holds (``part``: the policy's ``model`` or the ``critic``; ``optim``:
+    its AdamW state's part, or None), read a stage and a few names at a time."""
 
-    def __init__(self, ckpt: Path, optim: bool) -> None:
-        self.ckpt, self.optim = ckpt, optim
+    def __init__(self, ckpt: Path, part: str, optim: str | None) -> None:
+        self.ckpt, self.part, self.optim_part, self.optim = ckpt, part, optim, optim is not None
         self.meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
         layout = saved_layout(self.meta)
         if layout is None:
@@ -66,7 +70,7 @@ class _Source:
 
     def names(self, stage: int, start: str) -> list[str]:
         """The megatron names of stage ``stage`` (TP rank 0) that begin with ``start``."""
-        head = f"model.{prefix(self.tp, 0, self.pp, stage)}/"
+        head = f"{self.part}.{prefix(self.tp, 0, self.pp, stage)}/"
         return [k[len(head):] for k in self.meta if k.startswith(head + start)]
 
     def read(self, stage: int, names: list[str]) -> list[dict[str, dict[str, torch.Tensor]]]:
@@ -75,11 +79,14 @@ class _Source:
         for r in range(self.tp):
             for n in names:
                 key = f"{prefix(self.tp, r, self.pp, stage)}/{n}"
-                want["model"][key] = self._empty(f"model.{key}")
+                want["model"][key] = self._empty(f"{self.part}.{key}")
                 if self.optim:
                     for k in (*MOMENTS, "step"):
-                        want["optim"][f"{key}/{k}"] = self._empty(f"optim.{key}/{k}")
-        dcp.load(want if self.optim else {"model": want["model"]}, checkpoint_id=str(self.ckpt), no_dist=True)
+                        want["optim"][f"{key}/{k}"] = self._empty(f"{self.optim_part}.{key}/{k}")
+        loads = {self.part: want["model"]}
+        if self.optim:
+            loads[self.optim_part] = want["optim"]
+        dcp.load(loads, checkpoint_id=str(self.ckpt), no_dist=True)
         out = []
         for r in range(self.tp):
             at = prefix(self.tp, r, self.pp, stage)
@@ -97,11 +104,21 @@ class _Source:
 
 
 def reshard(ckpt: Path, hf_config: Any, layout, parts: Iterable[str], pad_vocab_to: int = 1) -> dict[str, Any]:
-    """This rank's ``model`` (and ``optim``, when in ``parts``) state from a megatron engine checkpoint of
-    other TP/PP sizes, under the names :meth:`MegatronEngine.checkpoint_state` gives them for ``layout``."""
+    """This rank's ``parts`` (``model`` and ``critic``, with their optimizers ``optim`` and ``critic_optim``) of a
+    megatron engine checkpoint of other TP/PP sizes, under the names
+    :meth:`MegatronEngine.checkpoint_state` gives them for ``layout``."""
+    parts, state = set(parts), {}
+    for part, optim, critic in (("model", "optim", False), ("critic", "critic_optim", True)):
+        if part in parts:
+            src = _Source(Path(ckpt), part, optim if optim in parts else None)
+            state.update(_reshard_model(src, hf_config, layout, pad_vocab_to, critic))
+    return state
+
+
+def _reshard_model(src: _Source, hf_config: Any, layout, pad_vocab_to: int, critic: bool) -> dict[str, Any]:
     t0 = time.time()
-    src = _Source(Path(ckpt), "optim" in parts)
-    layers, tied = int(hf_config.num_hidden_layers), bool(getattr(hf_config, "tie_word_embeddings", False))
+    layers = int(hf_config.num_hidden_layers)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     kinds = ("model", *MOMENTS) if src.optim else ("model",)
     mine: dict[str, dict[str, torch.Tensor]] = {k: {} for k in (*kinds, "step")}
 
@@ -118,6 +135,10 @@ def reshard(ckpt: Path, hf_config: Any, layout, parts: Iterable[str], pad_vocab_
                                                    hf_config, layout.tp, layout.tp_rank, pad_vocab_to)}
                     for k in kinds})
 
+    def replicated(stage: int, names: list[str]) -> None:  # the same on every TP rank: TP rank 0's
+        saved = src.read(stage, names)
+        put(saved, {k: {n: saved[0][k][n].clone() for n in names} for k in kinds})
+
     per_saved = layers // src.pp
     if layout.first_stage:
         vocab(0, EMBEDDING, EMBEDDING)
@@ -133,17 +154,18 @@ def reshard(ckpt: Path, hf_config: Any, layout, parts: Iterable[str], pad_vocab_
                        convert.layer_to_mcore(hf, hf_config, layout.tp, layout.tp_rank).items()}
         put(saved, made)
     if layout.last_stage:
-        saved = src.read(src.pp - 1, [FINAL_NORM])
-        put(saved, {k: {FINAL_NORM: saved[0][k][FINAL_NORM].clone()} for k in kinds})
-        if not tied:
+        replicated(src.pp - 1, [FINAL_NORM])
+        if critic:  # the value head (a critic never ties it to the embedding)
+            replicated(src.pp - 1, [OUTPUT, VALUE_BIAS])
+        elif not tied:
             vocab(src.pp - 1, OUTPUT, OUTPUT)
         elif layout.pp > 1:  # the last stage's copy of the tied embedding
             vocab(0, EMBEDDING, OUTPUT)
     at = prefix(layout.tp, layout.tp_rank, layout.pp, layout.stage)
-    state: dict[str, Any] = {"model": {f"{at}/{n}": t for n, t in mine["model"].items()}}
+    state: dict[str, Any] = {src.part: {f"{at}/{n}": t for n, t in mine["model"].items()}}
     if src.optim:
-        state["optim"] = {f"{at}/{n}/{k}": mine[k][n] for n in mine["model"] for k in (*MOMENTS, "step")}
-    log.info("checkpoint %s of TP=%d PP=%d resharded onto TP rank %d of %d, stage %d of %d: %d tensors in %.2fs",
-             ckpt, src.tp, src.pp, layout.tp_rank, layout.tp, layout.stage, layout.pp, len(mine["model"]),
-             time.time() - t0)
+        state[src.optim_part] = {f"{at}/{n}/{k}": mine[k][n] for n in mine["model"] for k in (*MOMENTS, "step")}
+    log.info("checkpoint %s (%s) of TP=%d PP=%d resharded onto TP rank %d of %d, stage %d of %d: %d tensors in "
+             "%.2fs", src.ckpt, src.part, src.tp, src.pp, layout.tp_rank, layout.tp, layout.stage, layout.pp,
+             len(mine["model"]), time.time() - t0)
     return state
