@@ -73,6 +73,16 @@ class RunConfig:
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
+        if self.trainer.lora.publish == "adapter":
+            for bad, why in ((self.weights.mode != "disk", f"weights.mode={self.weights.mode} (adapters are "
+                              "published on disk, where a server loads them from)"),
+                             (self.rollout.engine == "sglang", "rollout.engine=sglang (hpcrl loads adapters into "
+                              "vLLM servers and the torch engine)"),
+                             (self.launch.mode == "colocated", "launch.mode=colocated (its engine takes the whole "
+                              "policy in memory)")):
+                if bad:
+                    raise ValueError(f"trainer.lora.publish: adapter does not work with {why}; use "
+                                     "trainer.lora.publish=merged")
         if self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 training needs loss scaling, which the trainer engines do not do "
                              "(its gradients would underflow); use bfloat16, or float32")

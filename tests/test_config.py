@@ -251,3 +251,16 @@ def test_every_config_key_is_read_somewhere() -> None:
                    for path, (code, strings) in sources.items() if path != home):
             unread.append(key)
     assert not unread, f"config keys no component reads: {unread}"
+
+
+def test_published_lora_adapters_need_what_loads_them() -> None:
+    lora = ["trainer.lora.rank=4", "trainer.lora.publish=adapter"]
+    assert load_config(QUICK, [*lora, "rollout.engine=vllm"]).trainer.lora.publish == "adapter"
+    for extra, message in [
+        ([], r"^trainer\.lora\.publish: adapter publishes LoRA adapters; set trainer\.lora\.rank > 0"),
+        (["weights.mode=collective"], r"^trainer\.lora\.publish: adapter does not work with weights\.mode=collective"),
+        (["rollout.engine=sglang"], r"^trainer\.lora\.publish: adapter does not work with rollout\.engine=sglang"),
+        (["launch.mode=colocated"], r"^trainer\.lora\.publish: adapter does not work with launch\.mode=colocated"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(QUICK, [*(lora if extra else lora[1:]), *extra])

@@ -108,7 +108,10 @@ def wait_all(procs: list[subprocess.Popen], run_dir: Path, timeout: float = 180)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "weights" / f"v{STEPS:06d}" / "model.safetensors"))
+    """The last published version, as a whole policy (published LoRA adapters merged into the base model)."""
+    from hpcrl.weights.version import WeightVersion
+
+    return WeightVersion(STEPS, path=run_dir / "weights" / f"v{STEPS:06d}").tensors()
 
 
 def uninterrupted(run_dir: Path, assets: Path, world_size: int, extra: tuple[str, ...] = ()) -> dict:
@@ -362,13 +365,19 @@ def test_a_lora_trainer_resumes_bit_identically_and_exports_merged_weights(tmp_p
     weights, adapters and their Adam state), the published weights equal an uninterrupted run's bit for bit;
     they differ from the initial policy by a low-rank matrix in each adapted projection only; ckpt_tools to-hf
     merges the adapters of the final checkpoint into exactly the weights published with it; a full-fine-tuning
-    run cannot start from the LoRA checkpoint's trainer state (refused, naming both)."""
+    run cannot start from the LoRA checkpoint's trainer state (refused, naming both). The resumed run publishes
+    the adapters alone (trainer.lora.publish: adapter): merged into the base model they are the same weights."""
     from ckpt_tools.__main__ import main as tools
 
     lora = ("trainer.lora.rank=2", "trainer.lora.alpha=4")
     a = uninterrupted(tmp_path / "a", assets, 2, lora)
-    b = killed_and_resumed(tmp_path / "b", assets, 2, 2, lora)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    b = killed_and_resumed(tmp_path / "b", assets, 2, 2, lora + ("trainer.lora.publish=adapter",
+                                                                 f"eval.every_steps={STEPS}"))
+    assert "eval/accuracy" in read_metrics(tmp_path / "b" / "logs/metrics.jsonl")[-1]  # evaluated the merged policy
+    published = tmp_path / "b" / "weights" / f"v{STEPS:06d}"
+    assert sorted(p.name for p in published.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert a.keys() - {"lm_head.weight"} == b.keys() - {"lm_head.weight"}  # (a tied head: the embedding)
+    assert all(torch.equal(a[k], b[k]) for k in b)
     init = load_file(str(assets / "model" / "model.safetensors"))
     assert set(init) <= set(a) <= set(init) | {"lm_head.weight"}  # HF names, merged (the tied head as in full FT)
     for k in init:

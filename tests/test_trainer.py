@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -340,17 +341,28 @@ def _lora_rank(model_path, out, rank: int) -> None:
     dcp.load(state, checkpoint_id=str(out.parent / f"ckpt{rank}"))
     resumed.load_checkpoint_state(state)
     resumed.train_step(seqs)
-    torch.save({"trained": trained, "in_optimizer": in_optimizer, "raw": raw,
-                "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
-                "resumed": {k: v.clone() for k, v in resumed.full_state_dict().items()}}, out)
+    merged = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    resumed_state = {k: v.clone() for k, v in resumed.full_state_dict().items()}
+    cfg.lora.publish = "adapter"  # the same step published as the adapters alone, in PEFT's layout
+    from hpcrl.weights.adapter import peft_config
+    from hpcrl.weights.config import WeightsConfig
+    from hpcrl.weights.transport import DiskWeights
+
+    weights = DiskWeights(out.parent / "weights", WeightsConfig(),
+                          adapter=peft_config(rank, 8, cfg.lora.target_modules, model_path))
+    weights.publish(engine.full_state_dict(), 3)
+    torch.save({"trained": trained, "in_optimizer": in_optimizer, "raw": raw, "state": merged,
+                "resumed": resumed_state, "adapter_dir": str(weights.version_dir(3)), "merged_back": weights.fetch(3)}, out)
     torch.distributed.destroy_process_group()
 
 
 def test_lora_trains_only_adapters_publishes_merged_weights_and_resumes(tmp_path) -> None:
     """trainer.lora.rank: only PEFT's adapter matrices train (and sit in the optimizer); the published weights
     carry HF names with each adapter merged as PEFT's merge_and_unload merges it, every other weight is the
-    initial one, each adapted weight moved by a matrix of rank <= r; a DCP resume continues exactly."""
-    from peft import LoraConfig, get_peft_model
+    initial one, each adapted weight moved by a matrix of rank <= r; a DCP resume continues exactly. Published
+    as the adapters alone (trainer.lora.publish: adapter), the version directory is one PEFT loads as it saves
+    its own, and merged back it is the merged publication bit for bit."""
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model_path = tmp_path / "model"
@@ -381,6 +393,14 @@ def test_lora_trains_only_adapters_publishes_merged_weights_and_resumes(tmp_path
         torch.testing.assert_close(v, merged[k], rtol=0, atol=1e-6)
     for k, v in lora["resumed"].items():  # checkpoint after 2 steps, one more step = the third step
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+    adapter_dir = Path(lora["adapter_dir"])
+    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert lora["merged_back"].keys() >= state.keys() - {"lm_head.weight"}  # (the tied head: the embedding)
+    for k, v in lora["merged_back"].items():
+        assert torch.equal(v, state[k]), k
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), str(adapter_dir))
+    for k, v in by_peft.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("target, refused", [("lm_head", "tied"), ("embed_tokens", "plain linear")])

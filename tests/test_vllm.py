@@ -205,3 +205,50 @@ def _pgid(proc_dir: Path) -> int | None:
         return os.getpgid(int(proc_dir.name))
     except (ProcessLookupError, PermissionError):
         return None
+
+
+def test_published_lora_adapters_are_served_as_the_merged_policy(policies, tmp_path) -> None:
+    """trainer.lora.publish: adapter: the server the rollout starts has LoRA enabled; each published version
+    (PEFT's adapter files) is loaded in place of the previous one and the next requests are served with it:
+    greedy tokens are HF generate's with the adapter merged into the base model, logprobs within 1e-4 of its."""
+    from engine_checks import full_logprobs
+
+    from hpcrl.model.hf_io import load_model
+    from hpcrl.trainer.config import LoraSettings
+    from hpcrl.trainer.lora import apply_lora, unload_merged
+    from hpcrl.weights.adapter import from_engine, peft_config
+    from hpcrl.weights.config import WeightsConfig
+    from hpcrl.weights.transport import DiskWeights
+
+    path_a, a = policies[0], policies[1]
+    settings = LoraSettings(rank=4, alpha=8)
+    weights = DiskWeights(tmp_path / "weights", WeightsConfig(),
+                          adapter=peft_config(4, 8, settings.target_modules, path_a))
+    site = EngineSite(model_path=str(path_a), dtype="float32", log_dir=tmp_path, name="lora", lora_rank=4)
+    engine = build_engine(rollout_cfg(), site, seed=0, tokenizer=build_char_tokenizer())
+    try:
+        engine.sampling = SamplingParams(max_new_tokens=12, greedy=True)
+        greedy = prompts(8)
+        for version in (1, 2):
+            model = load_model(path_a)
+            scalings = apply_lora(model, settings)
+            torch.manual_seed(version)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".lora_B." in name:
+                        p.normal_(0.0, 0.5)
+            weights.publish(from_engine(model.state_dict()), version)
+            merged = unload_merged(model, scalings).eval()
+            engine.update_weights(weights.locate(version))
+            got = collect(engine, [Request(i, p) for i, p in enumerate(greedy)])
+            expected = [hf_greedy(merged, p, 12) for p in greedy]
+            assert [c.output_ids for c in got] == expected, version
+            assert sum(e != hf_greedy(a, p, 12) for e, p in zip(expected, greedy)) >= 4  # the adapter matters
+            for c, p in zip(got, greedy):
+                assert set(c.versions) == {version}
+                want = full_logprobs(merged, p, c.output_ids)
+                assert max(abs(x - y) for x, y in zip(c.logprobs, want)) < 1e-4
+    finally:
+        engine.close()
+    log = (tmp_path / "lora-server.log").read_text()
+    assert "Loaded new LoRA adapter: name 'policy-v2'" in log and "policy-v1" in log

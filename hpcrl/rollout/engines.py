@@ -40,6 +40,7 @@ class EngineSite:
     name: str  # e.g. "rollout-0-ab12cd": names the server log and the staging directory
     gpus: int = 0  # accelerators of this job's node (tensor parallel size when rollout.tensor_parallel_size=0)
     on_wait: Callable[[], None] | None = None  # called while a server starts (keeps the job's heartbeat fresh)
+    lora_rank: int = 0  # > 0: published versions are LoRA adapters of this rank (trainer.lora.publish: adapter)
 
 
 def build_engine(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
@@ -74,7 +75,8 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
         port = cfg.server_port or free_port(cfg.server_host)
         argv, env = backend_mod.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
                                                tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
-                                               staging=staging, launcher=cfg.server_launcher)
+                                               staging=staging, launcher=cfg.server_launcher,
+                                               lora_rank=site.lora_rank)
         url = f"http://{cfg.server_host}:{port}"
         server = ServerProcess(argv, health_url=url + backend.health_path, env=env,
                                log_path=site.log_dir / f"{site.name}-server.log",

@@ -61,7 +61,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     spool, reward = Spool(run_dir / "spool", fence=fence), RewardRunner(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
                       name=f"rollout-{writer or replica}", gpus=visible_device_count(cfg.launch.rollout.gpus_per_node),
-                      on_wait=on_wait)
+                      on_wait=on_wait, lora_rank=cfg.trainer.lora.rank if cfg.trainer.lora.publish == "adapter" else 0)
     try:  # last: a server started here must not outlive a failure to build the rest
         engine = build_engine(cfg.rollout, site, seed=cfg.seed * 1000 + replica, tokenizer=tokenizer, model=model)
     except BaseException:

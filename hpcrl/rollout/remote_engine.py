@@ -120,11 +120,14 @@ class _Seq:
     task: asyncio.Task | None = None
 
 
-async def check_response(r: aiohttp.ClientResponse, what: str) -> dict:
-    """The JSON body of a 2xx answer; anything else raises EngineServerError with the body."""
+async def check_response(r: aiohttp.ClientResponse, what: str, text_ok: bool = False) -> dict:
+    """The JSON body of a 2xx answer (``text_ok``: a plain-text one too, as ``{"text": ...}``); anything else
+    raises EngineServerError with the body."""
     text = await r.text()
     if r.status // 100 != 2:
         raise EngineServerError(f"{what}: HTTP {r.status}: {text[:2000]}")
+    if text_ok and not text.lstrip().startswith(("{", "[")):
+        return {"text": text}
     try:
         return await r.json(content_type=None) if text else {}
     except ValueError as e:

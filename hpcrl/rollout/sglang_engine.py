@@ -55,9 +55,12 @@ LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]  # the tests point thi
 
 
 def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
-                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = (),
+                   lora_rank: int = 0) -> tuple[list[str], dict[str, str]]:
     """argv and environment of an SGLang server for ``model_path`` (``launcher``: the command before the
-    arguments)."""
+    arguments). Published LoRA adapters (``lora_rank`` > 0) are not loaded into SGLang: refused."""
+    if lora_rank:
+        raise ValueError("rollout.engine=sglang takes whole published policies; set trainer.lora.publish=merged")
     argv = [*(launcher or LAUNCHER), "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(tensor_parallel_size), "--dtype", dtype, "--skip-server-warmup"]
     return argv + list(extra), {}

@@ -15,6 +15,10 @@ The server is vLLM's OpenAI-compatible API server with its RL endpoints
   with. An aborted request answers ``finish_reason: "abort"`` with the tokens
   it had.
 - abort: ``POST /abort_requests {}`` aborts everything in flight.
+- a published LoRA adapter (``trainer.lora.publish: adapter``; the server
+  started with ``--enable-lora``): ``POST /v1/unload_lora_adapter`` of the
+  previous one, ``POST /v1/load_lora_adapter {"lora_name": "policy-v<N>",
+  "lora_path": DIR}``; the next requests name ``policy-v<N>`` as their model.
 - new weights (nothing in flight): ``POST /pause?mode=abort``, ``POST
   /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
   DIR}}`` (DIR holds ``model.safetensors`` with HuggingFace names),
@@ -48,6 +52,7 @@ from safetensors.torch import save_file
 
 from hpcrl.rollout.engine import SamplingParams
 from hpcrl.rollout.remote_engine import Segment, check_response
+from hpcrl.weights import adapter
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -94,11 +99,14 @@ def untied_view(model_path: str | Path, staging: Path) -> Path:
 
 
 LAUNCHER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+LORA_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values of vLLM's --max-lora-rank
 
 
 def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
-                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of a vLLM server for ``model_path`` (``launcher``: the command before the arguments)."""
+                   extra: list[str], gpu: bool, staging: Path, launcher: list[str] = (),
+                   lora_rank: int = 0) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of a vLLM server for ``model_path`` (``launcher``: the command before the arguments;
+    ``lora_rank`` > 0: published versions are LoRA adapters of that rank, loaded at run time)."""
     served = str(untied_view(model_path, staging))
     argv = [*(launcher or LAUNCHER), "--model", served,
             "--served-model-name", "policy", "--host", host, "--port", str(port), "--dtype", dtype,
@@ -107,9 +115,20 @@ def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_
     if not gpu:
         argv.append("--enforce-eager")  # no CUDA graphs on CPU
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # the RL endpoints: pause, reload, weight version, resume
+    if lora_rank:  # one adapter at a time: each version's replaces the last one's
+        argv += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(_lora_slot(lora_rank))]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if not gpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache; override in the job's environment
     return argv + list(extra), env
+
+
+def _lora_slot(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds ``rank``."""
+    for slot in LORA_SLOTS:
+        if rank <= slot:
+            return slot
+    raise ValueError(f"trainer.lora.rank={rank}: vLLM serves adapters up to rank {LORA_SLOTS[-1]}")
 
 
 def _segment(choice: dict) -> Segment:
@@ -126,6 +145,7 @@ class VLLMBackend:
 
     def __init__(self, model: str = "policy") -> None:
         self.model = model
+        self.adapter: str | None = None  # the LoRA adapter requests name once a published adapter is loaded
 
     async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
         """Take the served model name from ``/v1/models`` (it may be a server hpcrl did not start)."""
@@ -137,7 +157,8 @@ class VLLMBackend:
                        sampling: SamplingParams, n: int = 1) -> list[Segment]:
         # n > 1: a batch of n copies of the prompt, not vLLM's n (an aborted n > 1 request answers without the
         # tokens it had generated; each prompt of a batch is its own request and keeps them)
-        body = {"model": self.model, "prompt": [prompt_ids] * n if n > 1 else prompt_ids, "max_tokens": max_new_tokens,
+        body = {"model": self.adapter or self.model, "prompt": [prompt_ids] * n if n > 1 else prompt_ids,
+                "max_tokens": max_new_tokens,
                 "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": 1.0, "top_k": -1,
                 "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                 "ignore_eos": sampling.ignore_eos}
@@ -150,6 +171,8 @@ class VLLMBackend:
             await check_response(r, "POST /abort_requests")
 
     async def load(self, http: aiohttp.ClientSession, url: str, path: Path, version: int) -> None:
+        if adapter.is_adapter(path):
+            return await self._load_adapter(http, url, path, version)
         await self._post(http, url, "/pause?mode=abort")
         try:  # a failed reload fails the rollout job; the server must not stay paused meanwhile
             await self._post(http, url, "/collective_rpc",
@@ -159,7 +182,19 @@ class VLLMBackend:
         finally:
             await self._post(http, url, "/resume")
 
+    async def _load_adapter(self, http: aiohttp.ClientSession, url: str, path: Path, version: int) -> None:
+        """A published LoRA adapter in place of the previous one (nothing is in flight: the engine drained the
+        server); the next requests name it. The base weights stay as the server loaded them."""
+        if self.adapter is not None:
+            await self._post(http, url, "/v1/unload_lora_adapter", {"lora_name": self.adapter}, text_ok=True)
+            self.adapter = None
+        name = f"policy-v{version}"
+        await self._post(http, url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                         text_ok=True)
+        self.adapter = name
+
     @staticmethod
-    async def _post(http: aiohttp.ClientSession, url: str, route: str, body: dict | None = None) -> dict:
+    async def _post(http: aiohttp.ClientSession, url: str, route: str, body: dict | None = None,
+                    text_ok: bool = False) -> dict:
         async with http.post(f"{url}{route}", json=body) as r:
-            return await check_response(r, f"POST {route}")
+            return await check_response(r, f"POST {route}", text_ok)

@@ -16,6 +16,9 @@ class LoraSettings:
     # module names (suffixes) that get an adapter: attention and MLP projections of Qwen/Llama layers
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
+    # what a published version holds: merged = the whole policy (model.safetensors, any rollout engine); adapter =
+    # the adapters alone in PEFT's format (hpcrl/weights/adapter.py), loaded by vLLM as a LoRA adapter
+    publish: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -24,6 +27,8 @@ class LoraSettings:
             raise ValueError(f"alpha: must be > 0, got {self.alpha}")
         if self.rank and not self.target_modules:
             raise ValueError("target_modules: LoRA needs at least one module name")
+        if self.publish == "adapter" and not self.rank:
+            raise ValueError("publish: adapter publishes LoRA adapters; set trainer.lora.rank > 0")
 
 
 @dataclass

@@ -63,7 +63,9 @@ class TrainEngine(Protocol):
         """Every optimizer update of one policy version over ``seqs`` (the same list on every rank); metrics."""
 
     def full_state_dict(self) -> Mapping[str, torch.Tensor]:
-        """The policy's full weights under HuggingFace names on rank 0 (CPU), empty elsewhere."""
+        """What is published of the policy, on rank 0 (CPU), empty elsewhere: its full weights under HuggingFace
+        names; with ``trainer.lora.publish: adapter`` its LoRA adapters under PEFT's names
+        (:mod:`hpcrl.weights.adapter`)."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The sharded state to checkpoint, by part: ``model``, ``optim`` (+ ``critic``, ``critic_optim``).

@@ -67,7 +67,8 @@ class FSDPEngine(PolicyTrainer):
     ``trainer.activation_checkpointing`` recomputes each decoder layer in the
     backward pass (HF gradient checkpointing, non-reentrant) of the policy
     and the critic. ``trainer.lora.rank > 0`` trains PEFT LoRA adapters of
-    the policy only (:mod:`hpcrl.trainer.lora`); published weights are merged.
+    the policy only (:mod:`hpcrl.trainer.lora`); published weights are merged,
+    or the adapters alone (``trainer.lora.publish: adapter``).
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig, ctx: DistContext,
@@ -147,10 +148,15 @@ class FSDPEngine(PolicyTrainer):
         return float(norm.item())
     # -- weights and checkpoints -----------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU weights on rank 0 (empty elsewhere), HF names (LoRA adapters merged); every rank
-        must call it."""
+        """Unsharded CPU weights on rank 0 (empty elsewhere), HF names (LoRA adapters merged; with
+        ``trainer.lora.publish: adapter`` the adapters alone, :func:`hpcrl.weights.adapter.from_engine`); every
+        rank must call it."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=opts)
+        if self.lora_scalings is not None and state and self.cfg.lora.publish == "adapter":
+            from hpcrl.weights.adapter import from_engine
+
+            return from_engine(state)
         if self.lora_scalings is not None and state:
             from hpcrl.trainer.lora import merge_lora
 

@@ -57,6 +57,7 @@ from hpcrl.trainer.batch import informative_filter, to_sequences
 from hpcrl.trainer.feed import BatchFeed
 from hpcrl.trainer.engine import TrainEngine, build_train_engine
 from hpcrl.trainer.report import Reporter
+from hpcrl.weights.adapter import adapter_merger, peft_config
 from hpcrl.weights.transport import WEIGHTS_FILE, DiskWeights, open_transport
 
 log = logging.getLogger(__name__)
@@ -208,10 +209,15 @@ def _run(run_dir: Path) -> None:
     feed = reporter = runner = None
     if ctx.is_main:
         feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
-    weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence) if ctx.is_main  # only rank 0 publishes
-               else DiskWeights(run_dir / "weights", cfg.weights))
+    lora = cfg.trainer.lora
+    published_adapter = (peft_config(lora.rank, lora.alpha, lora.target_modules, prep.init_model)
+                         if lora.publish == "adapter" else None)
+    weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence, published_adapter)
+               if ctx.is_main else DiskWeights(run_dir / "weights", cfg.weights))  # only rank 0 publishes
     if reporter and isinstance(weights, DiskWeights):
         reporter.published = lambda version: weights.version_dir(version) / WEIGHTS_FILE
+    if reporter and published_adapter is not None:  # evaluation takes the whole policy: base + adapters merged
+        reporter.whole_policy = adapter_merger(prep.init_model, published_adapter)
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
 

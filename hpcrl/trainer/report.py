@@ -79,6 +79,9 @@ class Reporter:
         self.instance, self.fence = instance, fence or NoFence()
         # version -> its published model.safetensors (disk weights: the snapshot links it instead of a copy)
         self.published: Callable[[int], Path | None] = lambda version: None
+        # what the engine publishes -> the whole policy under HF names (the adapters merged into the base model
+        # when the trainer publishes LoRA adapters, hpcrl.weights.adapter.adapter_merger)
+        self.whole_policy: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] = lambda state: state
         self.rows, self.measure = eval_rows[: eval_cfg.size], measure
         self.t0 = time.time()  # this leg's process start
         self.loop_start: float | None = None  # this leg's training loop start
@@ -107,7 +110,10 @@ class Reporter:
     def evaluate(self, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, float]:
         """The record's ``eval/...`` entries for ``state_dict`` (None: the model as loaded)."""
         if state_dict is not None:
-            self.model.load_state_dict(state_dict, strict=False)
+            unexpected = self.model.load_state_dict(state_dict, strict=False).unexpected_keys
+            if unexpected:  # not this model's weights (e.g. adapters not merged): evaluating would measure nothing
+                raise ValueError(f"held-out evaluation: {len(unexpected)} weights the model does not have, e.g. "
+                                 f"{unexpected[0]!r}")
         res = self.measure(self.model, self.rows)
         return {"eval/accuracy": res.accuracy, **res.metrics}
 
@@ -158,6 +164,8 @@ class Reporter:
         record.update({"leg": self.leg, "time/leg_s": leg_s, "time/train_s": train_s,
                        "throughput/samples_per_s": self.samples_total / max(train_s, 1e-9),
                        "throughput/leg_samples_per_s": self.leg_samples / max(leg_s, 1e-9)})
+        if self.due(step) and state_dict is not None:
+            state_dict = self.whole_policy(state_dict)
         if self.due(step) and state_dict is not None and self.snapshots is not None:
             t = time.time()
             elapsed = time.time() - (self.run_started or self.t0)

@@ -15,7 +15,10 @@ Lifecycle and ordering rules:
 
 :class:`DiskWeights` writes ``weights/v<N>/model.safetensors`` through a
 temporary directory renamed as a whole, then replaces ``weights/LATEST``
-(atomic rename). It keeps the last ``keep_last`` versions. A collective
+(atomic rename). Built with an adapter config (``trainer.lora.publish:
+adapter``) it publishes the LoRA adapters the trainer gives instead, in
+PEFT's layout (:mod:`hpcrl.weights.adapter`); readers tell the two apart by
+the directory's files. It keeps the last ``keep_last`` versions. A collective
 transport (``hpcrl/weights/collective.py``: NCCL/HCCL/gloo broadcast from
 trainer rank 0) implements the same Protocol; :func:`open_transport` picks
 one by ``weights.mode``.
@@ -26,13 +29,14 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Literal, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hpcrl import atomic
 from hpcrl.runtime.owner import Fence, NoFence
+from hpcrl.weights import adapter
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.version import WEIGHTS_FILE, WeightVersion, storable_tensors, unique_tensors  # noqa: F401 (re-exported)
 
@@ -52,20 +56,27 @@ class WeightTransport(Protocol):
 
 
 def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "member"],
-                   fence: Fence | NoFence | None = None) -> WeightTransport:
+                   fence: Fence | NoFence | None = None, adapter: Mapping[str, Any] | None = None) -> WeightTransport:
     """The transport ``weights.mode`` names: the trainer's rank 0 is the host, a rollout a member.
-    ``fence``: the publisher's ownership fence, checked before a version becomes visible."""
+    ``fence``: the publisher's ownership fence, checked before a version becomes visible; ``adapter``: the
+    publisher gives LoRA adapters of this PEFT config (disk mode only)."""
     if cfg.mode == "disk":
-        return DiskWeights(root, cfg, fence)
+        return DiskWeights(root, cfg, fence, adapter)
+    if adapter is not None:
+        raise ValueError("LoRA adapters are published on disk only (weights.mode=disk)")
     from hpcrl.weights.collective import CollectiveWeights
     return CollectiveWeights.host(root, cfg, fence) if role == "host" else CollectiveWeights.member(root, cfg)
 
 
 class DiskWeights:
-    def __init__(self, root: str | Path, cfg: WeightsConfig, fence: Fence | NoFence | None = None) -> None:
+    def __init__(self, root: str | Path, cfg: WeightsConfig, fence: Fence | NoFence | None = None,
+                 adapter: Mapping[str, Any] | None = None) -> None:
+        """``adapter``: PEFT's adapter config (:func:`hpcrl.weights.adapter.peft_config`) when the publisher gives
+        LoRA adapters rather than whole policies."""
         self.root = Path(root)
         self.cfg = cfg
         self.fence = fence or NoFence()
+        self.adapter = adapter
         self.root.mkdir(parents=True, exist_ok=True)
 
     def version_dir(self, version: int) -> Path:
@@ -76,7 +87,10 @@ class DiskWeights:
         if target.exists():
             shutil.rmtree(target)  # a crashed earlier attempt at the same version left it uncommitted by LATEST
         with atomic.directory(target) as tmp:
-            save_file(storable_tensors(state_dict), str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
+            if self.adapter is not None:
+                adapter.write(tmp, state_dict, self.adapter, version)
+            else:
+                save_file(storable_tensors(state_dict), str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
             self.fence.check(f"weight publish of version {version}")  # raising here leaves no directory
         self.fence.check(f"weight publish of version {version}")
         atomic.write_text(self.root / "LATEST", f"{version}\n")
@@ -92,7 +106,7 @@ class DiskWeights:
             return 0
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.version_dir(version) / WEIGHTS_FILE))
+        return self.locate(version).tensors()
 
     def locate(self, version: int) -> WeightVersion:
         return WeightVersion(version, path=self.version_dir(version))

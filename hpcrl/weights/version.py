@@ -12,7 +12,9 @@ the tensors themselves, so that each engine takes them the way it can:
   directory on node-local storage.
 
 A directory holds ``model.safetensors`` with HuggingFace parameter names,
-the layout :class:`hpcrl.weights.transport.DiskWeights` publishes.
+the layout :class:`hpcrl.weights.transport.DiskWeights` publishes, or a LoRA
+adapter in PEFT's layout (:mod:`hpcrl.weights.adapter`): a server loads it as
+an adapter, :meth:`WeightVersion.tensors` merges it into its base model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
+from hpcrl.weights import adapter
 from hpcrl.weights.config import WEIGHTS_FILE  # noqa: F401 (re-exported)
 
 
@@ -71,9 +74,12 @@ class WeightVersion:
             raise ValueError("WeightVersion: give exactly one of path or state")
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The state dict (raises FileNotFoundError when the directory was pruned meanwhile)."""
+        """The state dict, HuggingFace names (an adapter merged into its base model); raises FileNotFoundError
+        when the directory was pruned meanwhile."""
         if self.state is not None:
             return dict(self.state)
+        if adapter.is_adapter(self.path):
+            return adapter.merged(self.path)
         return load_file(str(Path(self.path) / WEIGHTS_FILE))
 
     def directory(self, staging: Path) -> Path:
@@ -82,7 +88,7 @@ class WeightVersion:
         Only the newest staged version is kept: older ``staging/v*`` are removed.
         """
         if self.path is not None:
-            if not (Path(self.path) / WEIGHTS_FILE).exists():
+            if not (Path(self.path) / WEIGHTS_FILE).exists() and not adapter.is_adapter(self.path):
                 raise FileNotFoundError(f"{self.path}/{WEIGHTS_FILE}")
             return Path(self.path)
         target = Path(staging) / f"v{self.version:06d}"
