@@ -228,19 +228,104 @@ def forward_logits(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tens
 
 
 def gather_hf(model, layout: Layout, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The full weights under HF names on global rank 0 ({} elsewhere): every TP slice of every stage is
-    gathered there (data-parallel replicas hold the same weights: the first replica's are used).
-    ``weights``: tensors to send in place of the model's own of these names (its float32 master weights)."""
-    mine = {k: (weights or {}).get(k, v).detach().cpu() for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    box: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    payload = (layout.dp_rank, layout.stage, layout.tp_rank, mine) if layout.dp_rank == 0 else None
-    dist.gather_object(payload, box, dst=0)
-    if dist.get_rank() != 0:
+    """The full weights under HF names on global rank 0 ({} elsewhere); every rank must call it.
+    ``weights``: tensors to send in place of the model's own of these names (its float32 master weights).
+
+    A piece at a time (the embedding, each decoder layer, the final norm with the output layer), in model
+    order: the TP ranks of the stage that holds it gather their slices on its TP rank 0 (tensor collectives
+    over the TP group; data-parallel replicas hold the same weights and only the first takes part), which
+    merges them into the HF tensors (:mod:`hpcrl.trainer.mcore.convert`) and, on a later stage, sends those
+    to rank 0 (their names and shapes, then the tensors, point to point). Rank 0 holds the HF model as it
+    grows and one piece's slices, never every rank's shards at once, and nothing but names and shapes is
+    pickled."""
+    if layout.dp_rank != 0:
         return {}
-    shards: list[list[dict]] = [[{} for _ in range(layout.tp)] for _ in range(layout.pp)]
-    for item in box:
-        if item is not None:
-            _, stage, tp_rank, sd = item
-            shards[stage][tp_rank] = sd
-    return convert.mcore_to_hf(shards, model.hf_config)
+    from megatron.core import parallel_state as ps
+
+    mine = {k: (weights or {}).get(k, v).detach() for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    hf_config, leader = model.hf_config, layout.tp_rank == 0
+    out: dict[str, torch.Tensor] = {}
+    for names, to_hf in _pieces(mine, hf_config, layout):
+        slices = _gather_slices(mine, names, layout, ps)
+        if not leader:
+            continue
+        hf = to_hf(slices)
+        if dist.get_rank() == 0:
+            out.update({k: v.cpu() for k, v in hf.items()})
+        else:
+            _send_piece(hf)
+    if dist.get_rank() != 0:
+        if leader:
+            dist.send_object_list([None], dst=0)  # this stage is done
+        return {}
+    stage_leaders = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if layout.pp > 1 else [0]
+    for src in stage_leaders[1:]:
+        while (hf := _recv_piece(src, next(iter(mine.values())).device)) is not None:
+            out.update({k: v.cpu() for k, v in hf.items()})
+    if getattr(hf_config, "tie_word_embeddings", False):
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # one tensor, as HF's state_dict() has it
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _pieces(mine: dict[str, torch.Tensor], hf_config: Any, layout: Layout):
+    """This stage's pieces in model order: (their megatron names, slices of every TP rank -> HF tensors)."""
+    vocab = convert.vocab_to_hf
+    if layout.first_stage:
+        name = "embedding.word_embeddings.weight"
+        yield [name], lambda sl: {"model.embed_tokens.weight": vocab([s[name] for s in sl], hf_config)}
+    layers = convert.stage_layers(int(hf_config.num_hidden_layers), layout.pp, layout.stage)
+    for local, i in enumerate(layers):
+        head = f"decoder.layers.{local}."
+        names = [k for k in mine if k.startswith(head)]
+
+        def layer(sl, head=head, i=i):
+            merged = convert.layer_to_hf([{k[len(head):]: v for k, v in s.items()} for s in sl], hf_config)
+            return {f"model.layers.{i}.{k}": v for k, v in merged.items()}
+
+        yield names, layer
+    if layout.last_stage:
+        norm, output = "decoder.final_layernorm.weight", "output_layer.weight"
+        untied = not getattr(hf_config, "tie_word_embeddings", False)  # (a tied head's copy here is the embedding)
+
+        def last(sl):
+            return {"model.norm.weight": sl[0][norm],
+                    **({"lm_head.weight": vocab([s[output] for s in sl], hf_config)} if untied else {})}
+
+        yield [norm, output] if untied else [norm], last
+
+
+def _gather_slices(mine: dict[str, torch.Tensor], names: list[str], layout: Layout, ps
+                   ) -> list[dict[str, torch.Tensor]] | None:
+    """Every TP rank's tensors ``names`` on this stage's TP rank 0 (by TP rank); None on the other TP ranks."""
+    if layout.tp == 1:
+        return [{n: mine[n] for n in names}]
+    group, dst = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    leader = layout.tp_rank == 0
+    slices: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.tp)]
+    for n in names:
+        t = mine[n].contiguous()
+        into = [torch.empty_like(t) for _ in range(layout.tp)] if leader else None
+        dist.gather(t, into, dst=dst, group=group)
+        if leader:
+            for r, got in enumerate(into):
+                slices[r][n] = got
+    return slices if leader else None
+
+
+def _send_piece(hf: dict[str, torch.Tensor]) -> None:
+    dist.send_object_list([[(k, tuple(v.shape), v.dtype) for k, v in hf.items()]], dst=0)
+    for v in hf.values():
+        dist.send(v.contiguous(), dst=0)
+
+
+def _recv_piece(src: int, device: torch.device) -> dict[str, torch.Tensor] | None:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src)
+    if box[0] is None:
+        return None
+    out = {}
+    for k, shape, dtype in box[0]:
+        out[k] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out[k], src=src)
+    return out
