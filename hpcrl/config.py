@@ -73,9 +73,17 @@ class RunConfig:
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
+        if self.trainer.lora.rank and self.trainer.engine == "megatron":
+            raise ValueError("trainer.lora.rank: LoRA is not built for trainer.engine=megatron (docs/trainer.md says "
+                             "why); use trainer.engine=fsdp")
         if self.trainer.lora.publish == "adapter":
             for bad, why in ((self.weights.mode != "disk", f"weights.mode={self.weights.mode} (adapters are "
                               "published on disk, where a server loads them from)"),
+                             (bool(self.init.checkpoint), "init.checkpoint (--from: this run's initial model holds "
+                              "the source's adapters merged, and the adapters would be applied twice)"),
+                             (self.rollout.engine == "vllm" and self.trainer.lora.rank > 512,
+                              f"trainer.lora.rank={self.trainer.lora.rank} and rollout.engine=vllm (vLLM serves "
+                              "adapters up to rank 512)"),
                              (self.rollout.engine == "sglang", "rollout.engine=sglang (hpcrl loads adapters into "
                               "vLLM servers and the torch engine)"),
                              (self.launch.mode == "colocated", "launch.mode=colocated (its engine takes the whole "

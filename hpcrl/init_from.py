@@ -7,8 +7,8 @@ ledger, versions from 0); what it takes from the source:
 
 * **weights, always**: the policy (and the critic, when both runs have one);
   from a checkpoint of another trainer engine (FSDP2's into the megatron
-  engine, or the reverse) the policy is its exported HF weights, and its
-  optimizer state is refused; the megatron engine reshards its own
+  engine, or the reverse) the policy is its exported HF weights, a critic
+  starts afresh from them, and the optimizer state is refused; the megatron engine reshards its own
   checkpoints of other TP/PP sizes as it loads them, optimizer included;
 * ``optimizer``: the optimizer state (Adam moments and step counts);
 * ``scheduler``: the learning-rate schedule's position (its step count; the
@@ -127,7 +127,10 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
         if "optimizer" in restore:
             raise ValueError(f"init.restore: optimizer: {src} holds optimizer state of a {theirs} trainer, this run's "
                              f"is {ours}; it does not load into that (start from the weights alone)")
-        load = [k for k in load if k != "model"]
+        if "critic" in load:
+            log.warning("init.checkpoint: %s holds the critic of a %s trainer, this run's is %s: the critic starts "
+                        "from the initial policy's weights", src, theirs, ours)
+        load = [k for k in load if k not in ("model", "critic")]
     if "optimizer" in restore:
         load += ["optim"] + (["critic_optim"] if "critic" in load else [])
     root = run_dir / "ckpt"

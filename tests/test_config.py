@@ -261,6 +261,9 @@ def test_published_lora_adapters_need_what_loads_them() -> None:
         (["weights.mode=collective"], r"^trainer\.lora\.publish: adapter does not work with weights\.mode=collective"),
         (["rollout.engine=sglang"], r"^trainer\.lora\.publish: adapter does not work with rollout\.engine=sglang"),
         (["launch.mode=colocated"], r"^trainer\.lora\.publish: adapter does not work with launch\.mode=colocated"),
+        (["init.checkpoint=/some/run"], r"^trainer\.lora\.publish: adapter does not work with init\.checkpoint"),
+        (["rollout.engine=vllm", "trainer.lora.rank=600"], r"^trainer\.lora\.publish: .*vLLM serves adapters up to"),
+        (["trainer.engine=megatron"], r"^trainer\.lora\.rank: LoRA is not built for trainer\.engine=megatron"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(QUICK, [*(lora if extra else lora[1:]), *extra])

@@ -210,7 +210,8 @@ def _pgid(proc_dir: Path) -> int | None:
 def test_published_lora_adapters_are_served_as_the_merged_policy(policies, tmp_path) -> None:
     """trainer.lora.publish: adapter: the server the rollout starts has LoRA enabled; each published version
     (PEFT's adapter files) is loaded in place of the previous one and the next requests are served with it:
-    greedy tokens are HF generate's with the adapter merged into the base model, logprobs within 1e-4 of its."""
+    greedy tokens are HF generate's with the adapter merged into the base model, logprobs within 1e-4 of its;
+    a version number published again with other weights (a trainer's resume) is served with the new ones."""
     from engine_checks import full_logprobs
 
     from hpcrl.model.hf_io import load_model
@@ -229,10 +230,10 @@ def test_published_lora_adapters_are_served_as_the_merged_policy(policies, tmp_p
     try:
         engine.sampling = SamplingParams(max_new_tokens=12, greedy=True)
         greedy = prompts(8)
-        for version in (1, 2):
+        for version, seed in ((1, 1), (2, 2), (1, 3)):
             model = load_model(path_a)
             scalings = apply_lora(model, settings)
-            torch.manual_seed(version)
+            torch.manual_seed(seed)
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if ".lora_B." in name:
@@ -242,7 +243,7 @@ def test_published_lora_adapters_are_served_as_the_merged_policy(policies, tmp_p
             engine.update_weights(weights.locate(version))
             got = collect(engine, [Request(i, p) for i, p in enumerate(greedy)])
             expected = [hf_greedy(merged, p, 12) for p in greedy]
-            assert [c.output_ids for c in got] == expected, version
+            assert [c.output_ids for c in got] == expected, (version, seed)
             assert sum(e != hf_greedy(a, p, 12) for e, p in zip(expected, greedy)) >= 4  # the adapter matters
             for c, p in zip(got, greedy):
                 assert set(c.versions) == {version}
@@ -251,4 +252,5 @@ def test_published_lora_adapters_are_served_as_the_merged_policy(policies, tmp_p
     finally:
         engine.close()
     log = (tmp_path / "lora-server.log").read_text()
-    assert "Loaded new LoRA adapter: name 'policy-v2'" in log and "policy-v1" in log
+    assert log.count("Loaded new LoRA adapter: name 'policy-v1-") == 2
+    assert log.count("Loaded new LoRA adapter: name 'policy-v2-") == 1

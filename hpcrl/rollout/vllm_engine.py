@@ -17,8 +17,10 @@ The server is vLLM's OpenAI-compatible API server with its RL endpoints
 - abort: ``POST /abort_requests {}`` aborts everything in flight.
 - a published LoRA adapter (``trainer.lora.publish: adapter``; the server
   started with ``--enable-lora``): ``POST /v1/unload_lora_adapter`` of the
-  previous one, ``POST /v1/load_lora_adapter {"lora_name": "policy-v<N>",
-  "lora_path": DIR}``; the next requests name ``policy-v<N>`` as their model.
+  previous one, ``POST /v1/load_lora_adapter {"lora_name":
+  "policy-v<N>-<instance>.<k>", "lora_path": DIR}`` (a name never used
+  before), ``POST /reset_prefix_cache``; the next requests name it as their
+  model.
 - new weights (nothing in flight): ``POST /pause?mode=abort``, ``POST
   /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
   DIR}}`` (DIR holds ``model.safetensors`` with HuggingFace names),
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 import sys
 from pathlib import Path
 
@@ -146,6 +149,7 @@ class VLLMBackend:
     def __init__(self, model: str = "policy") -> None:
         self.model = model
         self.adapter: str | None = None  # the LoRA adapter requests name once a published adapter is loaded
+        self._instance, self._loads = uuid.uuid4().hex[:8], 0
 
     async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
         """Take the served model name from ``/v1/models`` (it may be a server hpcrl did not start)."""
@@ -188,9 +192,13 @@ class VLLMBackend:
         if self.adapter is not None:
             await self._post(http, url, "/v1/unload_lora_adapter", {"lora_name": self.adapter}, text_ok=True)
             self.adapter = None
-        name = f"policy-v{version}"
+        # a name never used before: a version number comes back with other weights after a trainer's resume, and a
+        # server this process did not start may hold an earlier rollout's adapters
+        self._loads += 1
+        name = f"policy-v{version}-{self._instance}.{self._loads}"
         await self._post(http, url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
                          text_ok=True)
+        await self._post(http, url, "/reset_prefix_cache")  # (its keys hold the adapter's name; belt and braces)
         self.adapter = name
 
     @staticmethod

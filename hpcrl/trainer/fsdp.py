@@ -109,9 +109,10 @@ class FSDPEngine(PolicyTrainer):
             critic = AutoModelForTokenClassification.from_pretrained(
                 str(model_path), num_labels=1, dtype=torch.float32, local_files_only=True)
             weight, bias = initial_value_head(critic.config.hidden_size, critic.config.initializer_range)
+            head = getattr(critic, "score", None) or critic.classifier  # (HF's name for it in older models)
             with torch.no_grad():
-                critic.score.weight.copy_(weight)
-                critic.score.bias.copy_(bias)
+                head.weight.copy_(weight)
+                head.bias.copy_(bias)
             self.critic = shard(critic)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr,
                                                       betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)

@@ -18,9 +18,10 @@ Lifecycle:
    adapter ``policy-v<N>`` and serves the next requests with it).
 3. Whatever needs the whole policy in this process (the embedded torch
    engine, held-out evaluation) takes :func:`merged`: the base weights read
-   from the initial model's folder with each adapter merged,
-   ``W + alpha / r * B @ A`` in float32, what PEFT's ``merge_and_unload`` gives
-   and what ``trainer.lora.publish: merged`` publishes.
+   from the initial model's folder (at every version: the torch engine is for
+   small models) with each adapter merged, ``W + alpha / r * B @ A`` in
+   float32, what PEFT's ``merge_and_unload`` gives and what
+   ``trainer.lora.publish: merged`` publishes.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def write(directory: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[
 
 
 def base_weights(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """The HuggingFace folder's weights as stored (every ``*.safetensors`` file)."""
+    """The HuggingFace folder's weights as stored (every ``*.safetensors`` file). A missing folder is a
+    ValueError: a FileNotFoundError means a pruned version to its readers, which look again."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_path}: no *.safetensors weights (the adapter's base model)")
+        raise ValueError(f"{model_path}: no *.safetensors weights (the adapters' base model)")
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
@@ -102,7 +104,8 @@ def _merge(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
         target = f"{module}.weight"
         if target not in out:
             raise ValueError(f"{where}: adapter of {module!r}, which the base model has no weight of")
-        out[target] = merged_weight(out[target], a, tensors[name.replace(".lora_A.", ".lora_B.")], scaling)
+        # in float32, as the trainer (which loads the base in float32) computes and publishes merged weights
+        out[target] = merged_weight(out[target].float(), a, tensors[name.replace(".lora_A.", ".lora_B.")], scaling)
     return out
 
 
