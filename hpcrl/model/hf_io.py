@@ -36,6 +36,17 @@ log = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+def stored_weights(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """An HF folder's weights as stored (every ``*.safetensors`` file), without building the model. A folder
+    without them is a ValueError (a FileNotFoundError means a pruned weight version to its readers)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_path}: no *.safetensors weights")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
 def _existing_dir(path: str | Path, what: str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():

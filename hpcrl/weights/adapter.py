@@ -34,11 +34,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
+from hpcrl.trainer.lora import ADAPTER, merged_weight
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved names: the wrapped model's, under this prefix
-_ENGINE_ADAPTER = ".default"  # the adapter name PEFT's injected layers carry (hpcrl.trainer.lora.ADAPTER)
+_ENGINE_ADAPTER = f".{ADAPTER}"  # the adapter name PEFT's injected layers carry
 
 
 def peft_config(rank: int, alpha: float, target_modules: list[str], base_model: str | Path) -> dict[str, Any]:
@@ -74,28 +75,19 @@ def write(directory: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[
     atomic.write_json(directory / ADAPTER_CONFIG, dict(config))
 
 
-def base_weights(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """The HuggingFace folder's weights as stored (every ``*.safetensors`` file). A missing folder is a
-    ValueError: a FileNotFoundError means a pruned version to its readers, which look again."""
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_path}: no *.safetensors weights (the adapters' base model)")
-    return {k: v for f in files for k, v in load_file(str(f)).items()}
-
-
 def merged(path: str | Path, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The whole policy of the adapter directory ``path``: ``base`` (default: the weights of its config's
     ``base_model_name_or_path``) with every adapter merged, under HuggingFace names."""
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     tensors = load_file(str(Path(path) / ADAPTER_FILE))
-    base = base if base is not None else base_weights(config["base_model_name_or_path"])
+    from hpcrl.model.hf_io import stored_weights  # (transformers: imported only where a version is merged)
+
+    base = base if base is not None else stored_weights(config["base_model_name_or_path"])
     return _merge(base, tensors, float(config["lora_alpha"]) / int(config["r"]), str(path))
 
 
 def _merge(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], scaling: float,
            where: str) -> dict[str, torch.Tensor]:
-    from hpcrl.trainer.lora import merged_weight
-
     out = dict(base)
     for name, a in tensors.items():
         if ".lora_A." not in name:
@@ -118,7 +110,9 @@ def adapter_merger(model_path: str | Path, config: Mapping[str, Any]
 
     def merge(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not base:
-            base.update(base_weights(model_path))
+            from hpcrl.model.hf_io import stored_weights
+
+            base.update(stored_weights(model_path))
         return _merge(base, tensors, scaling, str(model_path))
 
     return merge

@@ -133,12 +133,9 @@ def checkpoint_layers(model) -> int:
 
 def hf_weights(model_path: str | Path) -> dict[str, torch.Tensor]:
     """The HF folder's weights, as stored."""
-    from safetensors.torch import load_file
+    from hpcrl.model.hf_io import stored_weights
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_path}: no *.safetensors weights to convert")
-    return {k: v for f in files for k, v in load_file(str(f)).items()}
+    return stored_weights(model_path)
 
 
 def rank_weights(model, hf_state: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
