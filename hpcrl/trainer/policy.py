@@ -14,6 +14,11 @@ statistics:
   and the statistics are summed;
 - ``_forward(mb, model, entropy)``: token logprobs (and entropies) of a
   micro-batch; ``_values(mb)``: the critic's values;
+- ``_passes(model, mbs, loss_of, entropy)`` (optional): the order of an
+  update's forward and backward passes; one micro-batch after another
+  unless the engine overrides it (the megatron engine's 1F1B pipeline
+  schedule), with ``_from_loss_ranks`` to share what only the ranks that
+  computed the losses know;
 - ``_grad_scale()``: what each micro-batch loss is multiplied by before its
   backward, so that the engine's gradient reduction yields the gradient of
   the whole minibatch (FSDP2 averages over every rank: its world size);
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -227,35 +232,49 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
-        sums, acc, tokens = {"loss/value": 0.0, "loss/pg_loss": 0.0, "value/loss": 0.0}, {}, 0
-        for mb, a in zip(mbs, aux):
-            out = self._policy_loss(mb, a, k, n_updates, max(norm, 1.0))
-            (out.loss * self._grad_scale()).backward()
-            sums["loss/value"] += float(out.loss.item())
-            sums["loss/pg_loss"] += out.stats.pop("pg_loss")
-            if self.critic is not None:
-                value_loss, value_stats = self._critic_backward(mb, a, max(norm, 1.0))
-                sums["value/loss"] += value_loss
-                out.stats.update(value_stats)
-            n = mb.n_tokens
-            tokens += n
-            for key, v in out.stats.items():
-                if key == "n_tokens" or n == 0 or not math.isfinite(v):
-                    continue
-                acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v * n
+        tally = _Tally(critic=self.critic is not None)
+
+        def policy_loss(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+            out = self._policy_loss(mbs[i], aux[i], k, n_updates, max(norm, 1.0), *tensors)
+            tally.add(mbs[i].n_tokens, out.stats, loss=float(out.loss.item()), pg_loss=out.stats.pop("pg_loss"))
+            return out.loss * self._grad_scale()
+
+        def value_loss(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+            loss, stats = self._value_loss(mbs[i], aux[i], max(norm, 1.0), tensors[0])
+            tally.add(mbs[i].n_tokens, stats, value=float(loss.item()))
+            return loss * self._grad_scale()
+
+        self._passes(self.model, mbs, policy_loss, "grad" if self.algo.entropy_coef > 0 else "detached")
+        if self.critic is not None:
+            self._passes(self.critic, mbs, value_loss)
+        tally, self._mismatch = self._from_loss_ranks((tally, self._mismatch))
         grad_norm = self._step(norm)
-        stats = {(k if "/" in k else f"loss/{k}"): v if k.endswith("_max") else v / tokens
-                 for k, v in acc.items()} if tokens else {}
-        if self.critic is None:
-            sums.pop("value/loss")
-        stats.update({k: self._global_sum(v) for k, v in sums.items()})
+        stats = tally.means()
+        stats.update({k: self._global_sum(v) for k, v in tally.sums.items()})
         stats.update({"grad/norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]})
         return stats
 
+    def _passes(self, model: torch.nn.Module, mbs: list[B.MicroBatch],
+                loss_of: Callable[[int, list[torch.Tensor]], torch.Tensor], entropy: str | None = None) -> None:
+        """The forward and backward passes of one update of ``model`` (the policy or the critic) over ``mbs``:
+        ``loss_of(i, tensors)`` is micro-batch ``i``'s loss from its per-token tensors (the policy's logprobs
+        and entropies, ``entropy`` as :meth:`_forward` takes it; the critic's values), to run backward.
+
+        One micro-batch after another. An engine with pipeline stages orders the passes itself (the megatron
+        engine's 1F1B schedule), computing ``loss_of`` only where the last stage's output is; it then says
+        so in :meth:`_from_loss_ranks`."""
+        for i, mb in enumerate(mbs):
+            tensors = [self._values(mb)] if model is self.critic else list(self._forward(mb, model, entropy))
+            loss_of(i, tensors).backward()
+
+    def _from_loss_ranks(self, obj: Any) -> Any:
+        """``obj`` as the ranks that computed the losses of :meth:`_passes` hold it (every rank here)."""
+        return obj
+
     def _policy_loss(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], k: int, n_updates: int,
-                     norm: float):
+                     norm: float, logp: torch.Tensor, entropy: torch.Tensor | None):
+        """The clipped, decoupled policy loss of one micro-batch from its logprobs (and entropies)."""
         dev = self.ctx.device
-        logp, entropy = self._forward(mb, entropy="grad" if self.algo.entropy_coef > 0 else "detached")
         mask, behav = mb.mask.to(dev), mb.behav_logprobs.to(dev)
         if k == 0:
             self._record_mismatch(logp, behav, mb.versions.to(dev), mask)
@@ -270,20 +289,18 @@ class PolicyTrainer:
         return decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, self.algo, normaliser=norm,
                                   logp_ref=aux.get("ref"), entropy=entropy)
 
-    def _critic_backward(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], norm: float
-                         ) -> tuple[float, dict[str, float]]:
-        """Clipped value loss of one micro-batch, backward into the critic; (its loss share, token means)."""
+    def _value_loss(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], norm: float, values: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Clipped value loss of one micro-batch from the critic's values; (the loss, token means)."""
         mask = mb.mask.to(self.ctx.device)
-        values = self._values(mb)
         per_token, clipped = value_loss_per_token(values, aux["values"], aux["returns"], mask, self.algo.value_clip)
         loss = self.algo.value_loss_coef * aggregate(per_token, mask > 0, self.algo.loss_agg, norm)
-        (loss * self._grad_scale()).backward()
         n = max(float(mask.sum()), 1.0)
         with torch.no_grad():
             means = {"value/clip_fraction": float(clipped.sum()) / n,
                      "value/mean": float((values * mask).sum()) / n,
                      "value/return_mean": float((aux["returns"] * mask).sum()) / n}
-        return float(loss.item()), means
+        return loss, means
 
     def _step(self, norm: float) -> float:
         """Clip and step the policy (and critic) optimizers; the policy's gradient norm."""
@@ -319,6 +336,36 @@ class PolicyTrainer:
             else:  # resuming this run without its schedule would restart the warm-up silently
                 raise ValueError(f"checkpoint has no {key} state (saved: {sorted(saved)}); "
                                  f"it was not written by this run's trainer")
+
+
+class _Tally:
+    """The statistics of one update's micro-batches: loss shares summed, token statistics weighted by each
+    micro-batch's tokens (``*_max`` ones maxed)."""
+
+    def __init__(self, critic: bool) -> None:
+        self.sums = {"loss/value": 0.0, "loss/pg_loss": 0.0, **({"value/loss": 0.0} if critic else {})}
+        self.weighted: dict[str, float] = {}
+        self.tokens = 0  # the policy's micro-batches' (the critic's are the same ones)
+
+    def add(self, n_tokens: int, stats: Mapping[str, float], loss: float | None = None,
+            pg_loss: float | None = None, value: float | None = None) -> None:
+        for key, v in (("loss/value", loss), ("loss/pg_loss", pg_loss), ("value/loss", value)):
+            if v is not None:
+                self.sums[key] += v
+        if value is None:
+            self.tokens += n_tokens
+        for key, v in stats.items():
+            if key == "n_tokens" or n_tokens == 0 or not math.isfinite(v):
+                continue
+            w = self.weighted
+            w[key] = max(w.get(key, v), v) if key.endswith("_max") else w.get(key, 0.0) + v * n_tokens
+
+    def means(self) -> dict[str, float]:
+        """Token means (maxima of ``*_max``) under their metric names (``loss/`` where a name has no group)."""
+        if not self.tokens:
+            return {}
+        return {(k if "/" in k else f"loss/{k}"): v if k.endswith("_max") else v / self.tokens
+                for k, v in self.weighted.items()}
 
 
 def continue_schedule(scheduler, optimizer, saved: Mapping[str, Any] | None) -> None:
