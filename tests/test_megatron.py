@@ -231,6 +231,70 @@ def test_a_megatron_critic_trains_as_the_fsdp_critic(tmp_path, fsdp_steps, world
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+PIPELINE_SHAPES = [(2, 7), (1, 11), (3, 5), (2, 9), (1, 4), (2, 6)]  # micro-batches of different shapes
+
+
+def _pipeline_inputs(vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, vocab, shape, generator=gen) for shape in PIPELINE_SHAPES]
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    logp = torch.log_softmax(logits[:, :-1, :vocab].float(), dim=-1)
+    return -logp.gather(-1, ids[:, 1:, None]).sum()
+
+
+def _pipeline_rank(rank, world, port, model_path, out) -> None:
+    """The 1F1B passes of PIPELINE_SHAPES' micro-batches on ``world`` stages; each stage's order of passes and
+    the gradients gathered under HF names on rank 0."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from hpcrl.trainer.mcore import model as M
+    from hpcrl.trainer.mcore.pipeline import one_forward_one_backward
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layout = M.init_parallel(1, world)
+    model = M.build(model_path, layout)
+    vocab = model.hf_config.vocab_size
+    inputs = _pipeline_inputs(vocab)
+    order = one_forward_one_backward(model, layout, inputs, lambda i, out: _next_token_loss(out, inputs[i], vocab))
+    grads = M.gather_hf(model, layout, {n: p.grad for n, p in model.named_parameters()})
+    torch.save({"stage": layout.stage, "order": order, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_1f1b_schedule_runs_the_stages_together_and_gives_the_model_gradients(tmp_path) -> None:
+    """Four pipeline stages, six micro-batches of different shapes: each stage runs the textbook 1F1B order
+    (warm-up forwards, one forward one backward, cool-down backwards; so stage s holds at most 4 - s
+    micro-batches' activations), and the gradients summed over the micro-batches are the HF model's."""
+    from spawn_ranks import spawn_ranks
+
+    pp, m = 4, len(PIPELINE_SHAPES)
+    hf = qwen3(tied=False, layers=4)
+    hf.save_pretrained(tmp_path / "hf")
+    spawn_ranks(_pipeline_rank, pp, str(tmp_path / "hf"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
+    for r in ranks:
+        s = r["stage"]
+        warmup = min(pp - s - 1, m)
+        want = [("F", i) for i in range(warmup)]
+        for i in range(warmup, m):
+            want += [("F", i), ("B", i - warmup)]
+        want += [("B", i) for i in range(m - warmup, m)]
+        assert r["order"] == want, (s, r["order"])
+        held = [sum(1 for p, _ in r["order"][: k + 1] if p == "F") - sum(1 for p, _ in r["order"][:k] if p == "B")
+                for k in range(len(r["order"]))]
+        assert max(held) == pp - s, (s, held)
+    vocab = hf.config.vocab_size
+    sum(_next_token_loss(hf(ids).logits, ids, vocab) for ids in _pipeline_inputs(vocab)).backward()
+    got = ranks[0]["grads"]
+    assert got.keys() == dict(hf.named_parameters()).keys()
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_activation_checkpointing_keeps_less_for_backward_and_takes_the_same_step(tmp_path) -> None:
     """trainer.activation_checkpointing with the megatron engine: autograd keeps far fewer bytes for backward,
     every transformer layer runs its forward again in the backward pass, and the step is the step without it."""

@@ -37,7 +37,7 @@ class MegatronSettings:
     tensor_parallel x pipeline_parallel x data parallel."""
 
     tensor_parallel: int = 1  # ranks a layer's weights are split across (must divide the key/value heads)
-    pipeline_parallel: int = 1  # stages the layers are split into (one micro-batch in the pipeline at a time)
+    pipeline_parallel: int = 1  # stages the layers are split into (trained in the 1F1B schedule)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):

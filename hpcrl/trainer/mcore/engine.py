@@ -22,16 +22,16 @@ the norm counts each tensor-parallel slice once and each replicated
 parameter once. So one step equals the FSDP2 engine's step on the same batch
 (``tests/test_megatron.py``).
 
-Pipeline parallelism (``trainer.megatron.pipeline_parallel``): each
-micro-batch goes through the stages one after the other (its hidden states
-sent on over point-to-point), the last stage broadcasts the token logprobs
-to the others, so that every stage computes the same loss and statistics,
-and the backward pass runs back through the stages (each sends the
-gradient of what it received). The schedule is sequential, one micro-batch
-in the pipeline at a time: correct, and as fast as one stage doing all the
-work, not faster (an interleaved 1F1B schedule is what would overlap the
-stages). A tied embedding has a copy on the last stage; their gradients are
-summed over the embedding group, and the norm counts it once.
+Pipeline parallelism (``trainer.megatron.pipeline_parallel``): the
+training passes run in the 1F1B schedule (:mod:`hpcrl.trainer.mcore.pipeline`:
+hidden states sent on point to point, their gradients sent back, the stages
+computing at the same time); the losses and the update's statistics are
+the last stage's, which it shares with the other stages after the passes.
+Passes without gradients (proximal and reference logprobs, the critic's
+values) run one micro-batch at a time, the last stage broadcasting the
+per-token tensors to every stage (each computes the advantages). A tied
+embedding has a copy on the last stage; their gradients are summed over the
+embedding group, and the norm counts it once.
 
 ``trainer.activation_checkpointing`` recomputes each transformer layer in
 the backward pass (:func:`hpcrl.trainer.mcore.model.checkpoint_layers`).
@@ -70,6 +70,7 @@ from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.trainer.mcore import model as M
+from hpcrl.trainer.mcore.pipeline import one_forward_one_backward
 from hpcrl.trainer.mcore.reshard import prefix, reshard, saved_layout
 from hpcrl.trainer.policy import PolicyTrainer, lr_factor
 
@@ -145,6 +146,20 @@ class MegatronEngine(PolicyTrainer):
     def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
                  entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
         model = model or self.model
+        out = M.stage_forward(model, mb.input_ids, self.layout)  # right padding: the causal mask is enough
+        computed = self._from_last_stage(out, mb, self._per_token(model, mb, entropy), 1 if entropy is None else 2)
+        return computed[0], computed[1] if entropy is not None else None
+
+    def _values(self, mb: B.MicroBatch) -> torch.Tensor:
+        out = M.stage_forward(self.critic, mb.input_ids, self.layout)
+        return self._from_last_stage(out, mb, self._per_token(self.critic, mb), 1)[0]
+
+    def _per_token(self, model: torch.nn.Module, mb: B.MicroBatch, entropy: str | None = None
+                   ) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        """What the last stage computes from its output for ``mb``: the critic's values; the policy's token
+        logprobs (and entropies: ``entropy`` ``"detached"`` or ``"grad"``; None: without)."""
+        if model is self.critic:
+            return lambda values: [values[:, :-1, 0].float()]
 
         def from_logits(out: torch.Tensor) -> list[torch.Tensor]:
             logits = out[:, :-1, : model.hf_config.vocab_size].float()
@@ -153,36 +168,49 @@ class MegatronEngine(PolicyTrainer):
                 return [logp]
             return [logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)]
 
-        out = M.stage_forward(model, mb.input_ids, self.layout)  # right padding: the causal mask is enough
-        computed = self._from_last_stage(out, mb, from_logits, 1 if entropy is None else 2)
-        return computed[0], computed[1] if entropy is not None else None
-
-    def _values(self, mb: B.MicroBatch) -> torch.Tensor:
-        out = M.stage_forward(self.critic, mb.input_ids, self.layout)
-        return self._from_last_stage(out, mb, lambda values: [values[:, :-1, 0].float()], 1)[0]
+        return from_logits
 
     def _from_last_stage(self, out: torch.Tensor, mb: B.MicroBatch,
                          compute: Callable[[torch.Tensor], list[torch.Tensor]], n: int) -> list[torch.Tensor]:
-        """The ``n`` per-token tensors the last stage computes from its output (``compute``), on every stage,
-        so that each computes the same loss and statistics: the last stage broadcasts them; on a stage before
-        it they are differentiable in the hidden states this stage sent (``out``), so that the loss's backward
-        pass runs this stage's part of it (the gradients of the tensors themselves are the last stage's)."""
+        """The ``n`` per-token tensors the last stage computes from its output (``compute``), on every stage
+        (broadcast by the last), for a pass without gradients; passes with gradients go through
+        :meth:`_passes`."""
         if self.layout.pp == 1:
             return compute(out)
+        if torch.is_grad_enabled():
+            raise RuntimeError("with pipeline stages a pass with gradients runs in the 1F1B schedule (_passes)")
         from megatron.core import parallel_state as ps
 
         src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
         if self.layout.last_stage:
             computed = compute(out)
             for t in computed:  # (a slice of the output is not contiguous: broadcast would send its storage)
-                dist.broadcast(t.detach().contiguous(), src=src, group=group)
+                dist.broadcast(t.contiguous(), src=src, group=group)
             return computed
         received = [torch.empty(mb.targets.shape) for _ in range(n)]
         for t in received:
             dist.broadcast(t, src=src, group=group)
-        if not torch.is_grad_enabled():
-            return received
-        return list(M.FromNext.apply(out, ps.get_pipeline_model_parallel_next_rank(), *received))
+        return received
+
+    def _passes(self, model: torch.nn.Module, mbs: list[B.MicroBatch],
+                loss_of: Callable[[int, list[torch.Tensor]], torch.Tensor], entropy: str | None = None) -> None:
+        """With pipeline stages, the 1F1B schedule (:mod:`hpcrl.trainer.mcore.pipeline`); the losses are the
+        last stage's."""
+        if self.layout.pp == 1:
+            return super()._passes(model, mbs, loss_of, entropy)
+        one_forward_one_backward(model, self.layout, [mb.input_ids for mb in mbs],
+                                 lambda i, out: loss_of(i, self._per_token(model, mbs[i], entropy)(out)))
+
+    def _from_loss_ranks(self, obj: Any) -> Any:
+        """``obj`` as the last stage holds it, on every stage (pickled: an update's statistics)."""
+        if self.layout.pp == 1:
+            return obj
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
 
     def _grad_scale(self) -> int:
         return self.dp_size  # gradients are averaged over the data-parallel group in _clip

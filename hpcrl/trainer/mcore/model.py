@@ -168,15 +168,21 @@ def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config
         raise ValueError(f"HF -> megatron weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def stage_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+def stage_forward(model, input_ids: torch.Tensor, layout: Layout, sends: list | None = None) -> torch.Tensor:
     """This stage's part of the forward pass of a batch every rank of the model-parallel group passes
     identically: the last stage returns the logits ``[batch, seq, padded vocab]``; every other stage sends its
     hidden states ``[seq, batch, hidden]`` on to the next one and returns them.
 
-    Differentiable across stages with grad enabled: the hidden states a stage received send their gradient
-    back to the previous stage as the backward pass reaches them; a stage before the last gets the gradient
-    of what it sent through :class:`FromNext`."""
+    With grad enabled the hidden states a stage received send their gradient back to the previous stage as
+    the backward pass reaches them (:mod:`hpcrl.trainer.mcore.pipeline` orders those passes). ``sends``: send
+    without blocking and add the pending sends to it (the caller waits for them); else each send blocks."""
     from megatron.core import parallel_state as ps
+
+    def send(t: torch.Tensor, dst: int) -> None:
+        if sends is None:
+            dist.send(t.contiguous(), dst=dst)
+        else:
+            sends.append(dist.isend(t.contiguous(), dst=dst))
 
     b, s = input_ids.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -189,29 +195,12 @@ def stage_forward(model, input_ids: torch.Tensor, layout: Layout) -> torch.Tenso
         dist.recv(recv, src=prev)
         if torch.is_grad_enabled():
             recv.requires_grad_(True)
-            recv.register_hook(lambda grad: dist.send(grad.contiguous(), dst=prev))
+            recv.register_hook(lambda grad: send(grad, prev))
         model.set_input_tensor(recv)
     out = model(input_ids if layout.first_stage else None, positions, attention_mask=mask)
     if not layout.last_stage:
-        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        send(out.detach(), ps.get_pipeline_model_parallel_next_rank())
     return out
-
-
-class FromNext(torch.autograd.Function):
-    """On a stage before the last: ``values`` the last stage computed (broadcast to every stage), made
-    differentiable in ``sent``, the hidden states this stage sent on; their gradient is received from the next
-    stage in the backward pass (the gradients of ``values`` themselves are the last stage's to apply)."""
-
-    @staticmethod
-    def forward(ctx, sent: torch.Tensor, next_rank: int, *values: torch.Tensor):
-        ctx.next_rank, ctx.shape, ctx.dtype = next_rank, sent.shape, sent.dtype
-        return tuple(v.clone() for v in values)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
-        dist.recv(grad, src=ctx.next_rank)
-        return (grad, None, *(None for _ in grads))
 
 
 @torch.no_grad()
