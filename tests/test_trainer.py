@@ -185,12 +185,13 @@ def _prox_rank(model_path, out, reuse: bool, n_minibatches: int) -> None:
     engine = FSDPEngine(model_path, cfg, AlgoConfig(), ctx, pad_id=0)
     if not reuse:  # the reference: a no-grad proximal pass before every update
         engine._prox_in_forward = lambda k: False
-    passes = []
-    prepare = engine._prepare
-    engine._prepare = lambda mb, prox=True: passes.append(prox) or prepare(mb, prox)
+    prox, trained = [], []  # micro-batches of the policy's no-grad passes, and of its updates
+    no_grad_passes, passes = engine._no_grad_passes, engine._passes
+    engine._no_grad_passes = lambda model, mbs: prox.append(len(mbs)) or no_grad_passes(model, mbs)
+    engine._passes = lambda model, mbs, *a: trained.append(len(mbs)) or passes(model, mbs, *a)
     seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())  # off-policy behaviour
     stats = [engine.train_step(seqs) for _ in range(2)]
-    torch.save({"stats": stats, "prox_passes": sum(passes), "micro_batches": len(passes),
+    torch.save({"stats": stats, "prox_passes": sum(prox), "micro_batches": sum(trained),
                 "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}, out)
     torch.distributed.destroy_process_group()
 

@@ -14,10 +14,11 @@ statistics:
   and the statistics are summed;
 - ``_forward(mb, model, entropy)``: token logprobs (and entropies) of a
   micro-batch; ``_values(mb)``: the critic's values;
-- ``_passes(model, mbs, loss_of, entropy)`` (optional): the order of an
-  update's forward and backward passes; one micro-batch after another
-  unless the engine overrides it (the megatron engine's 1F1B pipeline
-  schedule), with ``_from_loss_ranks`` to share what only the ranks that
+- ``_passes(model, mbs, loss_of, entropy)`` and ``_no_grad_passes(model,
+  mbs)`` (optional): the order of an update's forward and backward passes
+  and of the passes without gradients; one micro-batch after another
+  unless the engine overrides them (the megatron engine's pipeline
+  schedules), with ``_from_loss_ranks`` to share what only the ranks that
   computed the losses know;
 - ``_grad_scale()``: what each micro-batch loss is multiplied by before its
   backward, so that the engine's gradient reduction yields the gradient of
@@ -117,8 +118,7 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         minibatches = [self._micro_batches(mb) for mb in B.split_minibatches(seqs, self.cfg.n_minibatches)]
         with torch.no_grad():
-            aux = [[self._prepare(mb, prox=not self._prox_in_forward(k)) for mb in mbs]
-                   for k, mbs in enumerate(minibatches)]
+            aux = self._prepare(minibatches)
         stats = self._token_advantages(minibatches, aux) if self.algo.token_level_advantages else {}
         stats.update(self._advantage_stats([mb for mbs in minibatches for mb in mbs]))
         stats["time/prepare_s"] = time.perf_counter() - t0
@@ -168,16 +168,29 @@ class PolicyTrainer:
         return (k == 0 and self.algo.decoupled and not self.algo.prox_approx
                 and not (self.algo.kl_mode == "reward" and self.algo.kl_coef > 0))
 
-    def _prepare(self, mb: B.MicroBatch, prox: bool = True) -> dict[str, torch.Tensor]:
-        """No-grad passes of one micro-batch: proximal (if ``prox``) and reference logprobs, critic values."""
-        aux = {}
-        if prox and self.algo.decoupled and not self.algo.prox_approx:
-            aux["prox"] = self._logprobs(mb)
+    def _prepare(self, minibatches: list[list[B.MicroBatch]]) -> list[list[dict[str, torch.Tensor]]]:
+        """The no-grad passes of a step, by minibatch and micro-batch: proximal logprobs (``prox``, where the
+        update does not take them from its own forward pass), reference logprobs (``ref``), critic values
+        (``values``)."""
+        aux: list[list[dict[str, torch.Tensor]]] = [[{} for _ in mbs] for mbs in minibatches]
+        every = range(len(minibatches))
+        passes = []
+        if self.algo.decoupled and not self.algo.prox_approx:
+            passes.append(("prox", self.model, [k for k in every if not self._prox_in_forward(k)]))
         if self.ref_model is not None:
-            aux["ref"] = self._logprobs(mb, self.ref_model)
+            passes.append(("ref", self.ref_model, every))
         if self.critic is not None:
-            aux["values"] = self._values(mb)
+            passes.append(("values", self.critic, every))
+        for key, model, ks in passes:
+            where = [(k, j) for k in ks for j in range(len(minibatches[k]))]
+            for (k, j), t in zip(where, self._no_grad_passes(model, [minibatches[k][j] for k, j in where])):
+                aux[k][j][key] = t
         return aux
+
+    def _no_grad_passes(self, model: torch.nn.Module, mbs: list[B.MicroBatch]) -> list[torch.Tensor]:
+        """Per-token tensors of ``model`` for each of ``mbs``, without gradients, on every rank: the critic's
+        values, else logprobs. One micro-batch after another; an engine with pipeline stages overlaps them."""
+        return [self._values(mb) if model is self.critic else self._logprobs(mb, model) for mb in mbs]
 
     def _token_advantages(self, minibatches: list[list[B.MicroBatch]],
                           aux: list[list[dict[str, torch.Tensor]]]) -> dict[str, float]:

@@ -28,8 +28,9 @@ hidden states sent on point to point, their gradients sent back, the stages
 computing at the same time); the losses and the update's statistics are
 the last stage's, which it shares with the other stages after the passes.
 Passes without gradients (proximal and reference logprobs, the critic's
-values) run one micro-batch at a time, the last stage broadcasting the
-per-token tensors to every stage (each computes the advantages). A tied
+values) overlap the stages too (forward passes only); the last stage then
+broadcasts the per-token tensors to every stage (each computes the
+advantages). A tied
 embedding has a copy on the last stage; their gradients are summed over the
 embedding group, and the norm counts it once.
 
@@ -70,7 +71,7 @@ from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.trainer.mcore import model as M
-from hpcrl.trainer.mcore.pipeline import one_forward_one_backward
+from hpcrl.trainer.mcore.pipeline import forward_only, one_forward_one_backward
 from hpcrl.trainer.mcore.reshard import prefix, reshard, saved_layout
 from hpcrl.trainer.policy import PolicyTrainer, lr_factor
 
@@ -200,6 +201,23 @@ class MegatronEngine(PolicyTrainer):
             return super()._passes(model, mbs, loss_of, entropy)
         one_forward_one_backward(model, self.layout, [mb.input_ids for mb in mbs],
                                  lambda i, out: loss_of(i, self._per_token(model, mbs[i], entropy)(out)))
+
+    def _no_grad_passes(self, model: torch.nn.Module, mbs: list[B.MicroBatch]) -> list[torch.Tensor]:
+        """With pipeline stages, every micro-batch's forward pass with the stages at the same time
+        (:func:`hpcrl.trainer.mcore.pipeline.forward_only`), then the last stage broadcasts what it computed."""
+        if self.layout.pp == 1:
+            return super()._no_grad_passes(model, mbs)
+        from megatron.core import parallel_state as ps
+
+        computed = forward_only(model, self.layout, [mb.input_ids for mb in mbs],
+                                lambda i, out: self._per_token(model, mbs[i])(out)[0])
+        src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        out = []
+        for i, mb in enumerate(mbs):
+            t = computed[i].contiguous() if self.layout.last_stage else torch.empty(mb.targets.shape)
+            dist.broadcast(t, src=src, group=group)
+            out.append(t)
+        return out
 
     def _from_loss_ranks(self, obj: Any) -> Any:
         """``obj`` as the last stage holds it, on every stage (pickled: an update's statistics)."""

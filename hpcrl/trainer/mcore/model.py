@@ -168,38 +168,45 @@ def load_hf(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config
         raise ValueError(f"HF -> megatron weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def stage_forward(model, input_ids: torch.Tensor, layout: Layout, sends: list | None = None) -> torch.Tensor:
-    """This stage's part of the forward pass of a batch every rank of the model-parallel group passes
-    identically: the last stage returns the logits ``[batch, seq, padded vocab]``; every other stage sends its
-    hidden states ``[seq, batch, hidden]`` on to the next one and returns them.
-
-    With grad enabled the hidden states a stage received send their gradient back to the previous stage as
-    the backward pass reaches them (:mod:`hpcrl.trainer.mcore.pipeline` orders those passes). ``sends``: send
-    without blocking and add the pending sends to it (the caller waits for them); else each send blocks."""
-    from megatron.core import parallel_state as ps
-
-    def send(t: torch.Tensor, dst: int) -> None:
-        if sends is None:
-            dist.send(t.contiguous(), dst=dst)
-        else:
-            sends.append(dist.isend(t.contiguous(), dst=dst))
-
+def run_stage(model, input_ids: torch.Tensor, received: torch.Tensor | None = None) -> torch.Tensor:
+    """This stage's forward pass over a batch (token ids ``[batch, seq]``, right-padded: the causal mask is
+    enough): from the token ids on the first stage, from ``received`` (the previous stage's hidden states
+    ``[seq, batch, hidden]``) on the others. The last stage returns the logits ``[batch, seq, padded vocab]``,
+    the others their hidden states."""
     b, s = input_ids.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
-    mask = cpu.causal_mask(s)
+    if received is not None:
+        model.set_input_tensor(received)
+    return model(input_ids if received is None else None, positions, attention_mask=cpu.causal_mask(s))
+
+
+def hidden_shape(model, input_ids: torch.Tensor) -> tuple[int, int, int]:
+    """The shape of the hidden states a stage passes on for ``input_ids``: ``[seq, batch, hidden]``."""
+    b, s = input_ids.shape
+    return s, b, model.config.hidden_size
+
+
+def stage_forward(model, input_ids: torch.Tensor, layout: Layout, sends: list | None = None) -> torch.Tensor:
+    """This stage's part of a forward pass without gradients of a batch every rank of the model-parallel group
+    passes identically (:func:`run_stage`): a stage after the first receives its input from the previous one,
+    a stage before the last sends its output on. ``sends``: send without blocking and add the pending sends to
+    it (the caller waits for them); else each send blocks. (Passes with gradients go through
+    :mod:`hpcrl.trainer.mcore.pipeline`.)"""
+    from megatron.core import parallel_state as ps
+
     if layout.pp == 1:
-        return model(input_ids, positions, attention_mask=mask)
+        return run_stage(model, input_ids)
+    received = None
     if not layout.first_stage:
-        prev = ps.get_pipeline_model_parallel_prev_rank()
-        recv = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
-        dist.recv(recv, src=prev)
-        if torch.is_grad_enabled():
-            recv.requires_grad_(True)
-            recv.register_hook(lambda grad: send(grad, prev))
-        model.set_input_tensor(recv)
-    out = model(input_ids if layout.first_stage else None, positions, attention_mask=mask)
+        received = torch.empty(hidden_shape(model, input_ids), dtype=model.config.params_dtype)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+    out = run_stage(model, input_ids, received)
     if not layout.last_stage:
-        send(out.detach(), ps.get_pipeline_model_parallel_next_rank())
+        nxt = ps.get_pipeline_model_parallel_next_rank()
+        if sends is None:
+            dist.send(out.detach().contiguous(), dst=nxt)
+        else:
+            sends.append(dist.isend(out.detach().contiguous(), dst=nxt))
     return out
 
 

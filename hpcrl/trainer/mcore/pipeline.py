@@ -16,10 +16,16 @@ gradient each micro-batch's loss puts into the parameters is the same as in
 any other order, so the update is the same (sums of float32 gradients in the
 order of the micro-batches, as one rank adds them).
 
-Hidden states travel to the next stage and their gradients back with
-non-blocking sends (a stage's sends never wait for the receiver, which is
-what keeps the schedule free of deadlocks) and blocking receives; the sends
-are waited for at the end.
+:func:`forward_only` runs the passes without gradients (proximal and
+reference logprobs, the critic's values) the same way: each stage goes on
+to the next micro-batch as soon as it has sent one on.
+
+Hidden states travel to the next stage and their gradients back point to
+point, paired as megatron-core's schedules pair them (:class:`_Neighbours`):
+in the steady state a stage sends its output on together with receiving
+the gradient it waits for, and sends a gradient back together with
+receiving its next input, so that two neighbours sending to each other at
+once never wait on each other (NCCL's sends wait for their receives).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch.distributed as dist
 
 from hpcrl.trainer.mcore import model as M
 
-__all__ = ["one_forward_one_backward"]
+__all__ = ["forward_only", "one_forward_one_backward"]
 
 
 def one_forward_one_backward(model, layout: M.Layout, inputs: list[torch.Tensor],
@@ -41,38 +47,107 @@ def one_forward_one_backward(model, layout: M.Layout, inputs: list[torch.Tensor]
     rank's stage of ``model``; on the last stage ``loss_of(i, logits)`` is micro-batch ``i``'s loss (called
     there only). Gradients accumulate into the parameters' ``.grad``. Returns the passes in the order this
     stage ran them: ``("F", i)``, ``("B", i)``."""
-    from megatron.core import parallel_state as ps
-
-    sends: list[dist.Work] = []
+    p2p = _Neighbours(model, layout, inputs)
     order: list[tuple[str, int]] = []
-    in_flight: deque[tuple[int, torch.Tensor]] = deque()  # outputs sent on, waiting for their gradient from the next stage
-    next_rank = None if layout.last_stage else ps.get_pipeline_model_parallel_next_rank()
+    in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (i, input, output or loss)
 
-    def forward(i: int) -> None:
+    def forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
         order.append(("F", i))
-        out = M.stage_forward(model, inputs[i], layout, sends)
+        if received is not None:
+            received.requires_grad_(True)
+        out = M.run_stage(model, inputs[i], received)
         if layout.last_stage:
-            order.append(("B", i))
-            loss_of(i, out).backward()
-        else:
-            in_flight.append((i, out))
+            out = loss_of(i, out)
+        in_flight.append((i, received, out))
+        return out
 
-    def backward() -> None:
-        i, out = in_flight.popleft()
+    def backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The oldest micro-batch's backward pass from the gradient of its output (None: its loss); the gradient
+        of its input, for the previous stage."""
+        i, received, out = in_flight.popleft()
         order.append(("B", i))
-        grad = torch.empty_like(out)
-        dist.recv(grad, src=next_rank)
         out.backward(grad)
+        return None if received is None else received.grad
 
     n, warmup = len(inputs), min(layout.pp - layout.stage - 1, len(inputs))
     for i in range(warmup):
-        forward(i)
+        p2p.send_forward(forward(i, p2p.recv_forward(i)))
+    received = p2p.recv_forward(warmup) if warmup < n else None
     for i in range(warmup, n):
-        forward(i)
-        if in_flight:
-            backward()
+        out = forward(i, received)
+        grad = p2p.send_forward_recv_backward(out, in_flight[0][0])
+        grad_in = backward(grad)
+        if i == n - 1:
+            p2p.send_backward(grad_in)
+        else:
+            received = p2p.send_backward_recv_forward(grad_in, i + 1)
     while in_flight:
-        backward()
+        p2p.send_backward(backward(p2p.recv_backward(in_flight[0][0])))
+    return order
+
+
+class _Neighbours:
+    """The point-to-point transfers of one stage with the previous and the next one, as megatron-core's
+    schedules pair them: a send and a receive with the same neighbour go out together
+    (``batch_isend_irecv``), which two stages sending to each other at once need on NCCL, where a lone send
+    waits for its receive; each call returns once its transfers are done. The first stage has no previous
+    neighbour and the last no next one: those calls do nothing there (None where a tensor would come)."""
+
+    def __init__(self, model, layout: M.Layout, inputs: list[torch.Tensor]) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.prev = None if layout.first_stage else ps.get_pipeline_model_parallel_prev_rank()
+        self.next = None if layout.last_stage else ps.get_pipeline_model_parallel_next_rank()
+        self.shapes = [M.hidden_shape(model, ids) for ids in inputs]
+        self.dtype = model.config.params_dtype
+
+    def _run(self, send: tuple[torch.Tensor, int | None] | None, recv: tuple[int, int | None] | None
+             ) -> torch.Tensor | None:
+        ops, got = [], None
+        if send is not None and send[1] is not None:
+            ops.append(dist.P2POp(dist.isend, send[0].detach().contiguous(), send[1]))
+        if recv is not None and recv[1] is not None:
+            got = torch.empty(self.shapes[recv[0]], dtype=self.dtype)
+            ops.append(dist.P2POp(dist.irecv, got, recv[1]))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return got
+
+    def recv_forward(self, i: int) -> torch.Tensor | None:
+        return self._run(None, (i, self.prev))
+
+    def send_forward(self, out: torch.Tensor) -> None:
+        self._run((out, self.next), None)
+
+    def send_forward_recv_backward(self, out: torch.Tensor, i: int) -> torch.Tensor | None:
+        """Send ``out`` on and receive the gradient of micro-batch ``i``'s output."""
+        return self._run((out, self.next), (i, self.next))
+
+    def send_backward_recv_forward(self, grad: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        """Send ``grad`` back and receive micro-batch ``i``'s input."""
+        return self._run((grad, self.prev) if grad is not None else None, (i, self.prev))
+
+    def recv_backward(self, i: int) -> torch.Tensor | None:
+        return self._run(None, (i, self.next))
+
+    def send_backward(self, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            self._run((grad, self.prev), None)
+
+
+def forward_only(model, layout: M.Layout, inputs: list[torch.Tensor],
+                 compute: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Forward passes of micro-batches ``inputs`` without gradients, the stages computing at the same time (a
+    stage sends each micro-batch's hidden states on without waiting and goes on to the next); on the last
+    stage ``compute(i, logits)`` of each, in order ([] on the others)."""
+    sends: list[dist.Work] = []
+    results = []
+    with torch.no_grad():
+        for i, ids in enumerate(inputs):
+            out = M.stage_forward(model, ids, layout, sends)
+            if layout.last_stage:
+                results.append(compute(i, out))
     for work in sends:
         work.wait()
-    return order
+    return results
