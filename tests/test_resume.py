@@ -12,6 +12,7 @@ again). Versions past the checkpoint are republished; nothing is lost.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import os
 import re
@@ -396,12 +397,13 @@ def test_a_lora_trainer_resumes_bit_identically_and_exports_merged_weights(tmp_p
 
 
 @pytest.mark.parametrize("parallel", ["tensor_parallel", "pipeline_parallel"])
-def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) -> None:
+def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel, caplog) -> None:
     """trainer.engine=megatron with tensor_parallel=2 or pipeline_parallel=2 (gloo): killed -9 after step 4 and
     resumed from the step-3 checkpoint (each rank's slices of the weights and of AdamW's state), the published
     weights equal an uninterrupted run's bit for bit, and every group is trained once. Resumed onto other
     sizes (TP = 2 onto PP = 2) the checkpoint is resharded and training goes on to the same weights. The TP = 2
-    runs train PPO with a critic (GAE): its weights and AdamW state are checkpointed and resharded too."""
+    runs train PPO with a critic (GAE): its weights and AdamW state are checkpointed and resharded too; an FSDP2
+    run started from that checkpoint takes the policy's weights and starts its critic afresh."""
     pytest.importorskip("megatron.core")
     megatron = ("trainer.engine=megatron", f"trainer.megatron.{parallel}=2")
     if parallel == "tensor_parallel":
@@ -431,6 +433,14 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel) 
         for k in a:  # the same steps, summed in another order
             torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=1e-4)
         assert audit(tmp_path / "c").ok
+        # an FSDP2 run started from it takes the policy's weights; the critic starts afresh, with a warning
+        with caplog.at_level(logging.WARNING, logger="hpcrl.init_from"):
+            prep = started_from(tmp_path / "d", assets, tmp_path / "a", "", "algo.adv_estimator=gae")
+        assert json.loads((tmp_path / "d" / "ckpt" / "step_000000" / "trainer.json").read_text())["load"] == []
+        assert any("holds the critic of a megatron TP=2 PP=1 trainer, this run's is fsdp" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        init = load_file(str(Path(prep.init_model) / "model.safetensors"))
+        assert all(torch.equal(init[k], a[k]) for k in init)
         return
     # another layout starts from its weights (the exported HF folder); its optimizer state does not fit there
     with pytest.raises(ValueError, match=r"optimizer state of a megatron TP=1 PP=2 trainer, this run's is fsdp"):
