@@ -404,6 +404,44 @@ def test_lora_trains_only_adapters_publishes_merged_weights_and_resumes(tmp_path
         torch.testing.assert_close(v, state[k], rtol=0, atol=1e-6)
 
 
+def _adapter_publish_rank(rank, world, port, model_path, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hpcrl.runtime.dist import init_from_env
+    from hpcrl.trainer.config import LoraSettings
+    from hpcrl.trainer.engine import build_train_engine
+    from hpcrl.weights.adapter import from_engine
+
+    ctx = init_from_env("gloo")
+    cfg = TrainerConfig(world_size=world, total_steps=1, lr=1e-2, warmup_steps=0,
+                        lora=LoraSettings(rank=4, alpha=8, publish="adapter"))
+    engine = build_train_engine("fsdp", model_path, cfg, AlgoConfig(), ctx, pad_id=0)
+    engine.train_step(B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())[0])
+    published = engine.full_state_dict()
+    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"published": published, "from_full": from_engine(full)}, out)
+    else:
+        assert published == {}
+    torch.distributed.destroy_process_group()
+
+
+def test_lora_adapters_are_published_from_their_own_shards(tmp_path) -> None:
+    """trainer.lora.publish: adapter on 2 FSDP2 ranks: rank 0 gets the adapters gathered alone (not the frozen
+    base), equal to those of the full state dict, after a step that moved them."""
+    from spawn_ranks import spawn_ranks
+
+    _tiny_model(tmp_path / "model")
+    spawn_ranks(_adapter_publish_rank, 2, tmp_path / "model", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    assert got["published"].keys() == got["from_full"].keys() and len(got["published"]) == 28
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in got["published"].items())
+    for k, v in got["from_full"].items():
+        assert torch.equal(got["published"][k], v), k
+
+
 @pytest.mark.parametrize("target, refused", [("lm_head", "tied"), ("embed_tokens", "plain linear")])
 def test_lora_refuses_adapters_it_could_not_merge(target: str, refused: str) -> None:
     """A head tied to the embeddings (a merged adapter would change both) and an embedding (PEFT's

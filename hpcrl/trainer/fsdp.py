@@ -152,17 +152,28 @@ class FSDPEngine(PolicyTrainer):
         """Unsharded CPU weights on rank 0 (empty elsewhere), HF names (LoRA adapters merged; with
         ``trainer.lora.publish: adapter`` the adapters alone, :func:`hpcrl.weights.adapter.from_engine`); every
         rank must call it."""
+        if self.lora_scalings is not None and self.cfg.lora.publish == "adapter":
+            return self._adapters()
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=opts)
-        if self.lora_scalings is not None and state and self.cfg.lora.publish == "adapter":
-            from hpcrl.weights.adapter import from_engine
-
-            return from_engine(state)
         if self.lora_scalings is not None and state:
             from hpcrl.trainer.lora import merge_lora
 
             state = merge_lora(state, self.lora_scalings)
         return state
+
+    def _adapters(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters alone, unsharded on rank 0 under PEFT's names: only the trained parameters are
+        gathered (their shards, one parameter after another on every rank), never the frozen base."""
+        from hpcrl.weights.adapter import from_engine
+
+        state = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if self.ctx.rank == 0:
+                    state[name] = full.detach().cpu().clone()
+        return from_engine(state) if self.ctx.rank == 0 else {}
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Sharded policy and optimizer state, plus the critic and its optimizer (PPO), for DCP."""
