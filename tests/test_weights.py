@@ -72,3 +72,37 @@ def test_weight_version_stages_tensors_for_a_server_and_keeps_only_the_newest(tm
         located.directory(tmp_path / "staging")
     with pytest.raises(ValueError, match="exactly one"):
         WeightVersion(4)
+
+
+def test_adapter_versions_merge_into_a_base_read_once(tmp_path, monkeypatch) -> None:
+    """Published adapters (trainer.lora.publish: adapter) come back merged, W + alpha / r * B @ A, each version
+    its own; the base model's folder is read at the first version only, and the cached base is left as read."""
+    from safetensors.torch import save_file
+
+    import hpcrl.model.hf_io as hf_io
+    from hpcrl.weights.adapter import PEFT_PREFIX, peft_config
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    base = {"model.layers.0.self_attn.q_proj.weight": torch.randn(6, 4, generator=gen),
+            "model.norm.weight": torch.randn(4, generator=gen)}
+    save_file(base, str(base_dir / "model.safetensors"))
+    reads = []
+    stored = hf_io.stored_weights
+    monkeypatch.setattr(hf_io, "stored_weights", lambda path: reads.append(path) or stored(path))
+    weights = DiskWeights(tmp_path / "weights", WeightsConfig(keep_last=3),
+                          adapter=peft_config(2, 4.0, ["q_proj"], base_dir))
+    adapters = {}
+    for v in (1, 2):
+        a, b = torch.randn(2, 4, generator=gen), torch.randn(6, 2, generator=gen)
+        adapters[v] = (a, b)
+        name = f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj"
+        weights.publish({f"{name}.lora_A.weight": a, f"{name}.lora_B.weight": b}, v)
+    for v in (1, 2, 1):
+        got = weights.fetch(v)
+        a, b = adapters[v]
+        torch.testing.assert_close(got["model.layers.0.self_attn.q_proj.weight"],
+                                   base["model.layers.0.self_attn.q_proj.weight"] + 2.0 * b @ a)
+        assert torch.equal(got["model.norm.weight"], base["model.norm.weight"])
+    assert len(reads) == 1

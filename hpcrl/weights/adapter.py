@@ -17,9 +17,10 @@ Lifecycle:
 2. A server engine hands that directory to its server (vLLM loads it as the
    adapter ``policy-v<N>`` and serves the next requests with it).
 3. Whatever needs the whole policy in this process (the embedded torch
-   engine, held-out evaluation) takes :func:`merged`: the base weights read
-   from the initial model's folder (at every version: the torch engine is for
-   small models) with each adapter merged, ``W + alpha / r * B @ A`` in
+   engine, held-out evaluation) takes :func:`merged`: the base weights of the
+   initial model's folder (read at the first version and kept, unchanged:
+   each merge makes new tensors of the adapted weights) with each adapter
+   merged, ``W + alpha / r * B @ A`` in
    float32, what PEFT's ``merge_and_unload`` gives and what
    ``trainer.lora.publish: merged`` publishes.
 """
@@ -77,13 +78,23 @@ def write(directory: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[
 
 def merged(path: str | Path, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The whole policy of the adapter directory ``path``: ``base`` (default: the weights of its config's
-    ``base_model_name_or_path``) with every adapter merged, under HuggingFace names."""
+    ``base_model_name_or_path``, read once per process while versions name the same folder) with every adapter
+    merged, under HuggingFace names. The tensors of weights without an adapter are the base's own: read,
+    never write them in place."""
     config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     tensors = load_file(str(Path(path) / ADAPTER_FILE))
     from hpcrl.model.hf_io import stored_weights  # (transformers: imported only where a version is merged)
 
-    base = base if base is not None else stored_weights(config["base_model_name_or_path"])
+    if base is None:
+        folder = str(Path(config["base_model_name_or_path"]).resolve())
+        if _BASE.get("folder") != folder:  # one base kept: a run's versions share their initial model
+            _BASE.clear()
+            _BASE.update(folder=folder, weights=stored_weights(folder))
+        base = _BASE["weights"]
     return _merge(base, tensors, float(config["lora_alpha"]) / int(config["r"]), str(path))
+
+
+_BASE: dict[str, Any] = {}  # the base weights :func:`merged` read last, and their folder
 
 
 def _merge(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], scaling: float,
