@@ -259,16 +259,23 @@ def _pipeline_rank(rank, world, port, model_path, out) -> None:
     model = M.build(model_path, layout)
     vocab = model.hf_config.vocab_size
     inputs = _pipeline_inputs(vocab)
-    order = one_forward_one_backward(model, layout, inputs, lambda i, out: _next_token_loss(out, inputs[i], vocab))
-    grads = M.gather_hf(model, layout, {n: p.grad for n, p in model.named_parameters()})
-    torch.save({"stage": layout.stage, "order": order, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    def loss_of(i, out):
+        return _next_token_loss(out, inputs[i], vocab)
+
+    orders = {len(inputs): one_forward_one_backward(model, layout, inputs, loss_of)}
+    grads = M.gather_hf(model, layout, {n: p.grad.clone() for n, p in model.named_parameters()})
+    for m in (0, 1, 2):  # fewer micro-batches than stages
+        orders[m] = one_forward_one_backward(model, layout, inputs[:m], loss_of)
+    torch.save({"stage": layout.stage, "orders": orders, "grads": grads}, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_the_1f1b_schedule_runs_the_stages_together_and_gives_the_model_gradients(tmp_path) -> None:
     """Four pipeline stages, six micro-batches of different shapes: each stage runs the textbook 1F1B order
     (warm-up forwards, one forward one backward, cool-down backwards; so stage s holds at most 4 - s
-    micro-batches' activations), and the gradients summed over the micro-batches are the HF model's."""
+    micro-batches' activations), and the gradients summed over the micro-batches are the HF model's. With
+    fewer micro-batches than stages (2, 1, none) the order is the textbook one too (no transfer left
+    waiting)."""
     from spawn_ranks import spawn_ranks
 
     pp, m = 4, len(PIPELINE_SHAPES)
@@ -278,14 +285,16 @@ def test_the_1f1b_schedule_runs_the_stages_together_and_gives_the_model_gradient
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
     for r in ranks:
         s = r["stage"]
-        warmup = min(pp - s - 1, m)
-        want = [("F", i) for i in range(warmup)]
-        for i in range(warmup, m):
-            want += [("F", i), ("B", i - warmup)]
-        want += [("B", i) for i in range(m - warmup, m)]
-        assert r["order"] == want, (s, r["order"])
-        held = [sum(1 for p, _ in r["order"][: k + 1] if p == "F") - sum(1 for p, _ in r["order"][:k] if p == "B")
-                for k in range(len(r["order"]))]
+        for n, order in r["orders"].items():
+            warmup = min(pp - s - 1, n)
+            want = [("F", i) for i in range(warmup)]
+            for i in range(warmup, n):
+                want += [("F", i), ("B", i - warmup)]
+            want += [("B", i) for i in range(n - warmup, n)]
+            assert order == want, (s, n, order)
+        order = r["orders"][m]
+        held = [sum(1 for p, _ in order[: k + 1] if p == "F") - sum(1 for p, _ in order[:k] if p == "B")
+                for k in range(len(order))]
         assert max(held) == pp - s, (s, held)
     vocab = hf.config.vocab_size
     sum(_next_token_loss(hf(ids).logits, ids, vocab) for ids in _pipeline_inputs(vocab)).backward()

@@ -187,7 +187,8 @@ def _prox_rank(model_path, out, reuse: bool, n_minibatches: int) -> None:
         engine._prox_in_forward = lambda k: False
     prox, trained = [], []  # micro-batches of the policy's no-grad passes, and of its updates
     no_grad_passes, passes = engine._no_grad_passes, engine._passes
-    engine._no_grad_passes = lambda model, mbs: prox.append(len(mbs)) or no_grad_passes(model, mbs)
+    engine._no_grad_passes = lambda model, mbs: (prox.append(len(mbs)) if model is engine.model else None) \
+        or no_grad_passes(model, mbs)
     engine._passes = lambda model, mbs, *a: trained.append(len(mbs)) or passes(model, mbs, *a)
     seqs, _ = B.to_sequences(make_groups(n_groups=4, group_size=4), AlgoConfig())  # off-policy behaviour
     stats = [engine.train_step(seqs) for _ in range(2)]

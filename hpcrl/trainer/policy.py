@@ -260,7 +260,8 @@ class PolicyTrainer:
         self._passes(self.model, mbs, policy_loss, "grad" if self.algo.entropy_coef > 0 else "detached")
         if self.critic is not None:
             self._passes(self.critic, mbs, value_loss)
-        tally, self._mismatch = self._from_loss_ranks((tally, self._mismatch))
+        tally, mismatch = self._from_loss_ranks((tally, self._mismatch.tolist()))  # (no device in the pickle)
+        self._mismatch = torch.tensor(mismatch, dtype=torch.float64, device=self.ctx.device)
         grad_norm = self._step(norm)
         stats = tally.means()
         stats.update({k: self._global_sum(v) for k, v in tally.sums.items()})

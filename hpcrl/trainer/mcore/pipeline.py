@@ -67,6 +67,8 @@ def one_forward_one_backward(model, layout: M.Layout, inputs: list[torch.Tensor]
         i, received, out = in_flight.popleft()
         order.append(("B", i))
         out.backward(grad)
+        if received is not None and received.grad is None:  # the previous stage would wait for it forever
+            raise RuntimeError(f"pipeline stage {layout.stage}: micro-batch {i}'s input got no gradient")
         return None if received is None else received.grad
 
     n, warmup = len(inputs), min(layout.pp - layout.stage - 1, len(inputs))
@@ -98,6 +100,7 @@ class _Neighbours:
 
         self.prev = None if layout.first_stage else ps.get_pipeline_model_parallel_prev_rank()
         self.next = None if layout.last_stage else ps.get_pipeline_model_parallel_next_rank()
+        self.group = ps.get_pipeline_model_parallel_group()
         self.shapes = [M.hidden_shape(model, ids) for ids in inputs]
         self.dtype = model.config.params_dtype
 
@@ -105,10 +108,10 @@ class _Neighbours:
              ) -> torch.Tensor | None:
         ops, got = [], None
         if send is not None and send[1] is not None:
-            ops.append(dist.P2POp(dist.isend, send[0].detach().contiguous(), send[1]))
+            ops.append(dist.P2POp(dist.isend, send[0].detach().contiguous(), send[1], group=self.group))
         if recv is not None and recv[1] is not None:
             got = torch.empty(self.shapes[recv[0]], dtype=self.dtype)
-            ops.append(dist.P2POp(dist.irecv, got, recv[1]))
+            ops.append(dist.P2POp(dist.irecv, got, recv[1], group=self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -148,6 +151,8 @@ def forward_only(model, layout: M.Layout, inputs: list[torch.Tensor],
             out = M.stage_forward(model, ids, layout, sends)
             if layout.last_stage:
                 results.append(compute(i, out))
+            while len(sends) > 1:  # the send before this one has arrived by now, or soon: at most two held
+                sends.pop(0).wait()
     for work in sends:
         work.wait()
     return results
