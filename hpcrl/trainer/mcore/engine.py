@@ -103,18 +103,19 @@ class MegatronEngine(PolicyTrainer):
         self._names: dict[torch.Tensor, str] = {}
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
         hf_state = M.hf_weights(model_path)
-        self.model = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state), hf_state)
+        self.model = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state, device=ctx.device),
+                                   hf_state)
         self.optimizer, self.scheduler = self._adamw(self.model, cfg.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algo.adv_estimator == "gae":  # the same decoder with a value head, trained alongside by its own AdamW
-            self.critic = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state, critic=True),
-                                        hf_state)
+            self.critic = self._trained(M.build(model_path, self.layout, dtype, hf_state=hf_state, critic=True,
+                                                device=ctx.device), hf_state)
             self.critic_optimizer, self.critic_scheduler = self._adamw(self.critic, algo.critic_lr)
         del hf_state
         self.version = 0
         self.ref_model = None
         if algo.needs_reference:
-            self.ref_model = M.build(model_path, self.layout, dtype).eval()
+            self.ref_model = M.build(model_path, self.layout, dtype, device=ctx.device).eval()
             self.ref_model.requires_grad_(False)
         log.info("megatron engine: TP %d x PP %d x DP %d (this rank: TP rank %d, stage %d, DP rank %d)%s",
                  self.layout.tp, self.layout.pp, self.layout.dp, self.layout.tp_rank, self.layout.stage,
@@ -131,7 +132,7 @@ class MegatronEngine(PolicyTrainer):
             return model
         own = M.rank_weights(model, hf_state, self.layout)
         for n, p in model.named_parameters():
-            self.masters[p] = own[n].to(torch.float32).clone()
+            self.masters[p] = own[n].to(device=p.device, dtype=torch.float32).clone()
             p.register_post_accumulate_grad_hook(self._to_master_grad)  # each micro-batch's gradient, in float32
         return model
 
@@ -164,7 +165,7 @@ class MegatronEngine(PolicyTrainer):
 
         def from_logits(out: torch.Tensor) -> list[torch.Tensor]:
             logits = out[:, :-1, : model.hf_config.vocab_size].float()
-            logp = token_logprobs(logits, mb.targets, self.algo.temperature)
+            logp = token_logprobs(logits, mb.targets.to(logits.device), self.algo.temperature)
             if entropy is None:
                 return [logp]
             return [logp, token_entropy(logits if entropy == "grad" else logits.detach(), self.algo.temperature)]
@@ -188,7 +189,7 @@ class MegatronEngine(PolicyTrainer):
             for t in computed:  # (a slice of the output is not contiguous: broadcast would send its storage)
                 dist.broadcast(t.contiguous(), src=src, group=group)
             return computed
-        received = [torch.empty(mb.targets.shape) for _ in range(n)]
+        received = [torch.empty(mb.targets.shape, device=self.ctx.device) for _ in range(n)]
         for t in received:
             dist.broadcast(t, src=src, group=group)
         return received
@@ -214,7 +215,8 @@ class MegatronEngine(PolicyTrainer):
         src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
         out = []
         for i, mb in enumerate(mbs):
-            t = computed[i].contiguous() if self.layout.last_stage else torch.empty(mb.targets.shape)
+            t = computed[i].contiguous() if self.layout.last_stage else torch.empty(mb.targets.shape,
+                                                                                     device=self.ctx.device)
             dist.broadcast(t, src=src, group=group)
             out.append(t)
         return out
@@ -255,7 +257,7 @@ class MegatronEngine(PolicyTrainer):
             for p in params:
                 dist.all_reduce(grads[p], group=self.dp_group)
                 grads[p].div_(self.dp_size)
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
                 sq += grads[p].double().pow(2).sum()
@@ -337,5 +339,8 @@ class MegatronEngine(PolicyTrainer):
                             p.copy_(master)
             if optim_part in state:
                 for name, p in model.named_parameters():
-                    optimizer.state[self.masters[p]].update(
-                        {k: state[optim_part][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS})
+                    master = self.masters[p]
+                    saved = {k: state[optim_part][f"{self._key(name)}/{k}"] for k in _ADAM_KEYS}
+                    # moments resharded from a checkpoint come on the CPU; AdamW keeps its step count there
+                    optimizer.state[master].update({k: t if k == "step" else t.to(master.device)
+                                                    for k, t in saved.items()})

@@ -83,11 +83,13 @@ class ValueHead(torch.nn.Module):
 
 
 def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.float32, pad_vocab_to: int = 1,
-          hf_state: dict[str, torch.Tensor] | None = None, critic: bool = False):
+          hf_state: dict[str, torch.Tensor] | None = None, critic: bool = False,
+          device: torch.device | str = "cpu"):
     """This rank's GPTModel (its stage, its TP slices) with the weights of the HF model at ``model_path``
-    (``hf_state``: weights to use instead, e.g. a published version). ``critic``: the same decoder with a
-    :class:`ValueHead` (:func:`hpcrl.trainer.policy.initial_value_head`) instead of the output layer, and
-    embeddings of its own (never tied)."""
+    (``hf_state``: weights to use instead, e.g. a published version), on ``device`` (built on the CPU, then
+    moved, as megatron-core's own training loop does with ``use_cpu_initialization``). ``critic``: the same
+    decoder with a :class:`ValueHead` (:func:`hpcrl.trainer.policy.initial_value_head`) instead of the output
+    layer, and embeddings of its own (never tied)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from transformers import AutoConfig
@@ -108,8 +110,8 @@ def build(model_path: str | Path, layout: Layout, dtype: torch.dtype = torch.flo
                                                            getattr(hf_config, "initializer_range", 0.02)))
     load_hf(model, hf_weights(model_path) if hf_state is None else hf_state, hf_config, layout, pad_vocab_to,
             critic=critic)
-    if dtype != torch.float32:  # every parameter, norms included, as megatron-core's Float16Module casts them
-        model.to(dtype)
+    # every parameter, norms included, in ``dtype``, as megatron-core's Float16Module casts them
+    model.to(device=device, dtype=dtype)
     model.hf_config = hf_config
     model.pad_vocab_to = pad_vocab_to
     model.is_critic = critic
@@ -173,11 +175,18 @@ def run_stage(model, input_ids: torch.Tensor, received: torch.Tensor | None = No
     enough): from the token ids on the first stage, from ``received`` (the previous stage's hidden states
     ``[seq, batch, hidden]``) on the others. The last stage returns the logits ``[batch, seq, padded vocab]``,
     the others their hidden states."""
+    device = device_of(model)
     b, s = input_ids.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    input_ids = input_ids.to(device)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     if received is not None:
         model.set_input_tensor(received)
-    return model(input_ids if received is None else None, positions, attention_mask=cpu.causal_mask(s))
+    return model(input_ids if received is None else None, positions, attention_mask=cpu.causal_mask(s, device))
+
+
+def device_of(model) -> torch.device:
+    """Where ``model``'s parameters (and so its inputs and the hidden states it passes on) are."""
+    return next(model.parameters()).device
 
 
 def hidden_shape(model, input_ids: torch.Tensor) -> tuple[int, int, int]:
@@ -198,7 +207,8 @@ def stage_forward(model, input_ids: torch.Tensor, layout: Layout, sends: list | 
         return run_stage(model, input_ids)
     received = None
     if not layout.first_stage:
-        received = torch.empty(hidden_shape(model, input_ids), dtype=model.config.params_dtype)
+        received = torch.empty(hidden_shape(model, input_ids), dtype=model.config.params_dtype,
+                               device=device_of(model))
         dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
     out = run_stage(model, input_ids, received)
     if not layout.last_stage:

@@ -102,7 +102,7 @@ class _Neighbours:
         self.next = None if layout.last_stage else ps.get_pipeline_model_parallel_next_rank()
         self.group = ps.get_pipeline_model_parallel_group()
         self.shapes = [M.hidden_shape(model, ids) for ids in inputs]
-        self.dtype = model.config.params_dtype
+        self.dtype, self.device = model.config.params_dtype, M.device_of(model)
 
     def _run(self, send: tuple[torch.Tensor, int | None] | None, recv: tuple[int, int | None] | None
              ) -> torch.Tensor | None:
@@ -110,7 +110,7 @@ class _Neighbours:
         if send is not None and send[1] is not None:
             ops.append(dist.P2POp(dist.isend, send[0].detach().contiguous(), send[1], group=self.group))
         if recv is not None and recv[1] is not None:
-            got = torch.empty(self.shapes[recv[0]], dtype=self.dtype)
+            got = torch.empty(self.shapes[recv[0]], dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, got, recv[1], group=self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
