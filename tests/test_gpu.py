@@ -1,4 +1,4 @@
-"""The CUDA paths on a real GPU: the engine, the FSDP2 trainer over NCCL, weights into a CUDA engine.
+"""The CUDA paths on a real GPU: the engine, the FSDP2 and megatron trainers over NCCL, weights into a CUDA engine.
 
 Skipped where no CUDA device is visible; on a GPU node run ``pytest -m gpu``.
 Not here: the collective transport between processes over NCCL, which needs
@@ -78,3 +78,22 @@ def test_fsdp_trainer_over_nccl_matches_gloo_on_cpu(tmp_path: Path) -> None:
     assert cpu.keys() == cuda.keys()
     for k in cpu:
         torch.testing.assert_close(cuda[k], cpu[k], atol=1e-4, rtol=1e-3)
+
+
+def test_megatron_trainer_on_cuda_matches_the_cpu(tmp_path: Path) -> None:
+    """trainer.engine=megatron on one GPU over NCCL: two PPO steps with a critic give the weights that the
+    same steps give on the CPU over gloo (the model, master weights and inputs moved to the rank's device)."""
+    pytest.importorskip("megatron.core")
+    from test_megatron import _train, qwen3
+
+    model = qwen3(tied=True, kv_heads=2, layers=2, vocab=40)
+    model.config.pad_token_id = 0
+    model.save_pretrained(tmp_path / "model")
+    cpu = _train(1, tmp_path / "model", tmp_path / "cpu.pt", "megatron", micro_tokens=32, gae=True)
+    cuda = _train(1, tmp_path / "model", tmp_path / "cuda.pt", "megatron", micro_tokens=32, gae=True,
+                  backend="nccl")
+    assert cpu["weights"].keys() == cuda["weights"].keys()
+    for k in cpu["weights"]:
+        torch.testing.assert_close(cuda["weights"][k], cpu["weights"][k], atol=1e-4, rtol=1e-3)
+    for a, b in zip(cuda["stats"], cpu["stats"]):
+        assert a["value/loss"] == pytest.approx(b["value/loss"], rel=1e-3, abs=1e-5)

@@ -148,7 +148,8 @@ def test_a_parallel_gpt_model_computes_the_hf_logits_and_gathers_the_hf_weights(
     assert results[0]["names_differ"] == [] and results[0]["unequal"] == [], results[0]
 
 
-def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens, pp=1, gae=False) -> None:
+def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_tokens, pp=1, gae=False,
+                backend="gloo") -> None:
     """Two steps of the default objective (``gae``: PPO with a critic and GAE) with SGD (linear in the gradient,
     so a wrong loss or gradient scale shows), then the HF weights and the step statistics on rank 0."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -161,7 +162,7 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     from hpcrl.trainer.config import MegatronSettings, TrainerConfig
     from hpcrl.trainer.engine import build_train_engine
 
-    ctx = init_from_env("gloo")
+    ctx = init_from_env(backend)
     cfg = TrainerConfig(engine=engine_name, world_size=world, total_steps=2, lr=1e-2, warmup_steps=0,
                         micro_batch_tokens=micro_tokens, n_minibatches=2, grad_clip=0.5,
                         megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp))
@@ -180,10 +181,10 @@ def _train_rank(rank, world, port, model_path, out, engine_name, tp, micro_token
     torch.distributed.destroy_process_group()
 
 
-def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000, pp=1, gae=False) -> dict:
+def _train(world, model_path, out, engine_name, tp=1, micro_tokens=100_000, pp=1, gae=False, backend="gloo") -> dict:
     from spawn_ranks import spawn_ranks
 
-    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens, pp, gae)
+    spawn_ranks(_train_rank, world, model_path, out, engine_name, tp, micro_tokens, pp, gae, backend)
     return torch.load(out)
 
 
