@@ -6,7 +6,9 @@ Builds a Qwen3-architecture model with random weights (``--hidden``,
 ``--layers``, a 64-token vocabulary) and a synthetic batch (``--groups``
 groups of 8 responses, 48-96 tokens each, rewards 0/1), then, one layout
 after another, runs the megatron engine's ``train_step`` on that batch
-``--steps`` times plus one warm-up step that is not counted: on 1 rank, then
+``--steps`` times plus one warm-up step that is not counted (``--critic``: PPO
+with GAE, which adds a pass without gradients for the values and the
+critic's own update): on 1 rank, then
 on ``--pp`` ranks as pipeline stages (``trainer.megatron.pipeline_parallel``),
 each rank on one thread, the micro-batches cut at ``--micro-tokens`` tokens.
 Per layout: the median step time, trained samples/s, the peak RSS of every
@@ -81,7 +83,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, model:
     ctx = init_from_env("gloo")
     cfg = TrainerConfig(engine="megatron", world_size=world, total_steps=args.steps + 1, lr=1e-5, warmup_steps=0,
                         micro_batch_tokens=args.micro_tokens, megatron=MegatronSettings(pipeline_parallel=world))
-    algo = AlgoConfig()
+    algo = AlgoConfig(adv_estimator="gae") if args.critic else AlgoConfig()
     engine = build_train_engine("megatron", model, cfg, algo, ctx, pad_id=0)
     seqs, _ = B.to_sequences(batch(args.groups), algo)
     walls = []
@@ -131,6 +133,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8, help="groups of 8 responses in the batch")
     parser.add_argument("--micro-tokens", type=int, default=1024, help="trainer.micro_batch_tokens")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per layout (after one warm-up)")
+    parser.add_argument("--critic", action="store_true",
+                        help="PPO with a critic (GAE): a no-grad pass for the values, then the critic's updates")
     parser.add_argument("--out", type=Path, help="write the summary here (JSON)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
