@@ -442,6 +442,9 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel, 
         init = load_file(str(Path(prep.init_model) / "model.safetensors"))
         assert all(torch.equal(init[k], a[k]) for k in init)
         return
+    # one micro-batch an update on two stages: the log says how idle that leaves them and what to change
+    assert re.search(r"pipeline: an update of 1 micro-batch\(es\) on 2 stages leaves the stages idle 50% .*"
+                     r"trainer.micro_batch_tokens", (tmp_path / "a" / "trainer-r0.out").read_text())
     # another layout starts from its weights (the exported HF folder); its optimizer state does not fit there
     with pytest.raises(ValueError, match=r"optimizer state of a megatron TP=1 PP=2 trainer, this run's is fsdp"):
         started_from(tmp_path / "c", assets, tmp_path / "a", "optimizer")

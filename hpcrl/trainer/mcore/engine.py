@@ -113,6 +113,7 @@ class MegatronEngine(PolicyTrainer):
             self.critic_optimizer, self.critic_scheduler = self._adamw(self.critic, algo.critic_lr)
         del hf_state
         self.version = 0
+        self._warned_bubble = False
         self.ref_model = None
         if algo.needs_reference:
             self.ref_model = M.build(model_path, self.layout, dtype, device=ctx.device).eval()
@@ -200,6 +201,12 @@ class MegatronEngine(PolicyTrainer):
         last stage's."""
         if self.layout.pp == 1:
             return super()._passes(model, mbs, loss_of, entropy)
+        if len(mbs) < 2 * self.layout.pp and not self._warned_bubble:
+            self._warned_bubble = True
+            log.warning("pipeline: an update of %d micro-batch(es) on %d stages leaves the stages idle %.0f%% of the "
+                        "time (the pipeline fills and drains once per update); a smaller trainer.micro_batch_tokens "
+                        "makes more micro-batches", len(mbs), self.layout.pp,
+                        100 * (self.layout.pp - 1) / (len(mbs) + self.layout.pp - 1))
         one_forward_one_backward(model, self.layout, [mb.input_ids for mb in mbs],
                                  lambda i, out: loss_of(i, self._per_token(model, mbs[i], entropy)(out)))
 
