@@ -24,7 +24,8 @@ from hpcrl.config import RunConfig
 from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.data.longtail import write_reverse_dataset
 from hpcrl.data.rows import Row, load_rows
-from hpcrl.model.hf_io import load_tokenizer, unknown_characters
+from hpcrl.model.hf_io import encode_prompt, load_tokenizer, unknown_characters
+from hpcrl.model.limits import ModelLimits
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
 from hpcrl.reward.runner import RewardRunner, load_function
 from hpcrl.sft.warm_start import warm_start
@@ -85,15 +86,46 @@ def base_model_path(cfg: RunConfig) -> Path:
     return path
 
 
-def load_datasets(cfg: RunConfig, tokenizer, train_path: Path, eval_path: Path) -> tuple[list[Row], list[Row]]:
-    """Rows of both splits; rows the tokenizer cannot represent count as bad rows."""
+def load_datasets(cfg: RunConfig, tokenizer, train_path: Path, eval_path: Path,
+                  model_path: str | Path) -> tuple[list[Row], list[Row]]:
+    """Rows of both splits; rows the tokenizer cannot represent, and prompts that leave the model's context no
+    room for ``rollout.max_new_tokens``, count as bad rows (the same rows in every component)."""
+    too_long = _context_check(cfg, tokenizer, ModelLimits.of_dir(model_path))
+
     def validate(row: Row) -> str | None:
         bad = unknown_characters(tokenizer, row.prompt + row.answer)
-        return f"characters not in the tokenizer's vocabulary: {sorted(bad)}" if bad else None
+        if bad:
+            return f"characters not in the tokenizer's vocabulary: {sorted(bad)}"
+        return too_long(row.prompt)
 
     kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
               on_bad_row=cfg.data.on_bad_row, validate=validate)
     return load_rows(train_path, **kw), load_rows(eval_path, **kw)
+
+
+def _context_check(cfg: RunConfig, tokenizer, limits: ModelLimits) -> Callable[[str], str | None]:
+    """Why a prompt is too long for the context with ``rollout.max_new_tokens`` after it (None: it fits).
+
+    A prompt is tokenised only when it might not fit: a token covers at least one byte of text, so the
+    rendered prompt's bytes (the template's own bytes plus the prompt's) bound its token count."""
+    room = None if limits.context is None else limits.context - cfg.rollout.max_new_tokens
+    if room is None:
+        return lambda prompt: None
+    overhead = 0
+    if cfg.data.chat_template:
+        encode_prompt(tokenizer, "x", True)  # the error of a tokenizer without a template
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                             tokenize=False)
+        overhead = len(text.encode()) - 1
+
+    def check(prompt: str) -> str | None:
+        if overhead + len(prompt.encode()) <= room:
+            return None
+        n = len(encode_prompt(tokenizer, prompt, cfg.data.chat_template))
+        return None if n <= room else (f"the prompt is {n} tokens: with rollout.max_new_tokens="
+                                       f"{cfg.rollout.max_new_tokens} it exceeds the model's context of "
+                                       f"{limits.context}")
+    return check
 
 
 def scorer(runner: RewardRunner):
@@ -118,7 +150,8 @@ def held_out(cfg: RunConfig, tokenizer, runner: RewardRunner) -> Measure:
         fn = load_agent_fn(cfg.agent.fn)
         return lambda model, rows, after_batch=None: agent_accuracy(
             model, tokenizer, rows, fn, max_new_tokens=cfg.rollout.max_new_tokens, timeout_s=cfg.agent.timeout_s,
-            concurrency=cfg.agent.max_concurrent_episodes, batch_size=cfg.eval.batch_size, after_batch=after_batch)
+            concurrency=cfg.agent.max_concurrent_episodes, batch_size=cfg.eval.batch_size, after_batch=after_batch,
+            cfg=cfg.agent)
     score = scorer(runner)
     return lambda model, rows, after_batch=None: greedy_accuracy(
         model, tokenizer, rows, score, max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.eval.batch_size,
@@ -129,7 +162,7 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:
     train_path, eval_path = dataset_paths(cfg)
     base = base_model_path(cfg)
     tokenizer = load_tokenizer(base)
-    train_rows, eval_rows = load_datasets(cfg, tokenizer, train_path, eval_path)
+    train_rows, eval_rows = load_datasets(cfg, tokenizer, train_path, eval_path, base)
     log.info("data: %d train rows (%s), %d eval rows (%s)", len(train_rows), train_path, len(eval_rows), eval_path)
     prepared = Prepared(init_model=str(base), base_model=str(base), train_path=str(train_path), eval_path=str(eval_path))
     if cfg.init.checkpoint:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from hpcrl.agent.export import concat, individual  # noqa: E402
 from hpcrl.agent.proxy import AgentProxy, parse_tool_calls  # noqa: E402
+from hpcrl.model.limits import ModelLimits  # noqa: E402
 from hpcrl.model.tiny import build_char_tokenizer  # noqa: E402
 from hpcrl.rollout.engine import Completion  # noqa: E402
 from hpcrl.rollout.worker import spool_samples  # noqa: E402
@@ -48,22 +50,32 @@ class ScriptedEngine:
                           versions=[self.version] * len(ids), finish_reason="stop" if ids[-1] == EOS else "length")
 
 
-@pytest.fixture(scope="module")
-def served():
-    tokenizer = build_char_tokenizer()
-    engine = ScriptedEngine(tokenizer)
-    proxy = AgentProxy(tokenizer, engine.generate, max_tokens=128)
+@contextmanager
+def serve(app):
+    """``app`` under uvicorn on a free loopback port, on a thread; its base URL (``.../v1``)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(proxy.app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not server.started:
         assert time.time() < deadline and thread.is_alive(), "proxy did not start"
         time.sleep(0.05)
-    yield proxy, engine, f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = build_char_tokenizer()
+    engine = ScriptedEngine(tokenizer)
+    proxy = AgentProxy(tokenizer, engine.generate, limits=ModelLimits(vocab_size=len(tokenizer), context=1024),
+                       max_tokens=128)
+    with serve(proxy.app) as url:
+        yield proxy, engine, url
 
 
 def client(base_url: str, key: str) -> openai.OpenAI:

@@ -31,6 +31,7 @@ from hpcrl.agent.proxy import read_admin_key  # noqa: E402
 from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # noqa: E402
 from hpcrl.data.rows import Row  # noqa: E402
 from hpcrl.model.hf_io import load_model, load_tokenizer  # noqa: E402
+from hpcrl.model.limits import ModelLimits  # noqa: E402
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from hpcrl.reward.config import RewardConfig  # noqa: E402
 from hpcrl.reward.runner import RewardRunner  # noqa: E402
@@ -143,7 +144,8 @@ def make_worker(tmp_path: Path, fn, timeout_s: float = 60.0, rows: list[Row] = R
                          sampling=SamplingParams(max_new_tokens=4), seed=0)
     admission = AdmissionConfig(batch_size=len(rows), max_staleness=0)
     runner = AgentEpisodes(engine, tokenizer, AgentConfig(fn="x:y", timeout_s=timeout_s, max_concurrent_episodes=8,
-                                                          **agent), fn, max_tokens=4)
+                                                          **agent), fn, max_tokens=4,
+                           limits=ModelLimits.of_dir(model_dir))
     spool = Spool(tmp_path / "spool")
     worker = RolloutWorker(RolloutConfig(group_size=2, max_batch_size=8, max_new_tokens=4), admission,
                            engine=engine, tokenizer=tokenizer, rows=rows,

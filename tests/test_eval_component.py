@@ -57,7 +57,7 @@ def published_accuracy(run_dir: Path, version: int) -> float:
     tokenizer = load_tokenizer(prep.init_model)
     model = load_model(prep.init_model)
     model.load_state_dict(load_file(str(run_dir / "weights" / f"v{version:06d}" / "model.safetensors")), strict=False)
-    _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
     runner = RewardRunner(cfg.reward)
     try:
         return greedy_accuracy(model, tokenizer, rows[: cfg.eval.size], scorer(runner),
@@ -140,7 +140,7 @@ def test_a_resume_with_evaluation_in_the_trainer_evaluates_what_the_component_le
     left = snaps.put(8, None, "unevaluated", 3.0, work / "weights" / "v000008" / "model.safetensors")
     cfg, prep = load_saved(work), load_prepared(work)
     tokenizer = load_tokenizer(prep.init_model)
-    _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    _, rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
     runner = RewardRunner(cfg.reward)
     reporter = Reporter(work / "logs", EvalConfig(every_steps=4, size=40), 8, model_path=prep.init_model,
                         eval_rows=rows, measure=held_out(cfg, tokenizer, runner))

@@ -28,6 +28,13 @@ class AgentConfig:
     export: Export = "concat"
     # individual: call k of K gets the episode's reward times turn_discount ** (K - 1 - k) (the last one all of it)
     turn_discount: float = 1.0
+    # the proxy's limits (docs/agents.md, "Limits and errors"): a larger request body gets 413 before it is parsed
+    max_request_bytes: int = 4 * 1024 * 1024
+    # longest prompt of a call, in tokens (400 context_length_exceeded beyond); 0 = the model's context minus
+    # rollout.max_new_tokens
+    max_prompt_tokens: int = 0
+    session_max_in_flight: int = 16  # requests of one episode (all its keys) at once; more get 429; 0 = no cap
+    session_rate_limit: float = 50.0  # requests per second of one episode (burst: one second's worth); 0 = no cap
 
     def __post_init__(self) -> None:
         if self.fn and ":" not in self.fn:
@@ -36,6 +43,13 @@ class AgentConfig:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.max_concurrent_episodes < 1:
             raise ValueError(f"max_concurrent_episodes: must be >= 1, got {self.max_concurrent_episodes}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}")
+        for name in ("max_prompt_tokens", "session_max_in_flight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: the default), got {getattr(self, name)}")
+        if not (math.isfinite(self.session_rate_limit) and self.session_rate_limit >= 0):
+            raise ValueError(f"session_rate_limit: must be a number >= 0 (0: no cap), got {self.session_rate_limit}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.export not in EXPORTS:

@@ -7,7 +7,8 @@ prompt ids, output ids, behaviour logprobs and the policy version of every
 output token (:class:`Call`). :func:`hpcrl.agent.export.concat` turns a
 session's calls into one training :class:`~hpcrl.rollout.episodes.Episode`.
 
-Endpoints (FastAPI; what differs from OpenAI is listed in docs/agents.md):
+Endpoints (FastAPI routers in :mod:`hpcrl.agent.routes`; what differs from
+OpenAI is listed in docs/agents.md):
 
 - ``GET /v1/models``;
 - ``POST /v1/completions``: ``prompt`` as text or token ids, ``max_tokens``,
@@ -43,43 +44,49 @@ Admin endpoints, for agents and graders outside the rollout job; off
 
 Lifecycle: build one :class:`AgentProxy` per rollout job with a ``generate``
 coroutine (prompt ids, max new tokens -> a finished
-:class:`~hpcrl.rollout.engine.Completion`); :meth:`AgentProxy.open` gives
+:class:`~hpcrl.rollout.engine.Completion`) and the model's
+:class:`~hpcrl.model.limits.ModelLimits`; :meth:`AgentProxy.open` gives
 each episode its own API key (a session), :meth:`AgentProxy.close` ends it
-and returns its calls. Requests whose key is not an open session get 401,
-malformed bodies 400, both in OpenAI's error shape; no response carries a
-traceback.
+and returns its calls.
+
+Order of checks, each answered in OpenAI's error shape and counted by its
+code (``counts``): the key, before the body is read (401; 404 for the admin
+API when it is off), the body's size (413, ``agent.max_request_bytes``), the
+episode's quota (429, :mod:`hpcrl.agent.guard`), the body's shape (400
+naming the field, :mod:`hpcrl.agent.schema`), then the prompt against the
+model (400 ``invalid_token_id`` or ``context_length_exceeded``,
+:meth:`AgentProxy.admit`) before anything reaches the engine. A failure past
+that point fails its own request with a 500 and nothing else: no response
+carries a traceback, the connection stays usable, and the engine's loop and
+every other session go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import os
-import re
 import secrets
 import time
-import uuid
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Awaitable, Callable, Hashable
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
+from hpcrl.agent.config import AgentConfig
+from hpcrl.agent.guard import Guard, Quota
+from hpcrl.agent.routes import build_app
+from hpcrl.agent.schema import ProxyError, parse_tool_calls
+from hpcrl.model.limits import ModelLimits, Rejected
 from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 from hpcrl.rollout.engine import Completion
 
-__all__ = ["AgentProxy", "Call", "Session", "PLAIN_CHAT_TEMPLATE", "listen", "parse_tool_calls", "read_admin_key"]
+__all__ = ["AgentProxy", "Call", "ProxyError", "Session", "PLAIN_CHAT_TEMPLATE", "listen", "parse_tool_calls",
+           "prompt_budget", "read_admin_key"]
 
 log = logging.getLogger(__name__)
 
 Generate = Callable[[list[int], int], Awaitable[Completion]]
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
 @dataclass
@@ -106,9 +113,23 @@ class Session:
     keys: list[str] = field(default_factory=list)  # the episode's keys: its own, then those added by the admin
     reward: float | None = None  # set through the admin API
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when the admin API ends the episode
+    quota: Quota = field(default_factory=Quota)  # its requests in flight and per second, all its keys together
 
 
 MIN_ADMIN_KEY = 16
+
+
+def prompt_budget(limits: ModelLimits, max_prompt_tokens: int, max_tokens: int) -> int | None:
+    """The longest prompt the proxy takes: ``agent.max_prompt_tokens``, by default (0) the model's context minus
+    ``max_tokens`` (``rollout.max_new_tokens``); None when the model states no context and none is set."""
+    if limits.context is None:
+        return max_prompt_tokens or None
+    budget = max_prompt_tokens or limits.context - max_tokens
+    if not 1 <= budget < limits.context:
+        raise ValueError(f"agent.max_prompt_tokens: must leave room in the model's context of {limits.context} "
+                         f"tokens for a reply: got {budget}" + ("" if max_prompt_tokens else
+                                                              f" (the context minus rollout.max_new_tokens={max_tokens})"))
+    return budget
 
 
 def read_admin_key(path: str) -> str:
@@ -129,71 +150,28 @@ def read_admin_key(path: str) -> str:
     return key
 
 
-# -- request bodies ------------------------------------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
-
-    model: str | None = None
-    n: int = Field(1, ge=1, le=64)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class ParentBody(BaseModel):
-    parent: str
-
-
-class RewardBody(BaseModel):
-    reward: float
-
-
-class ChatBody(_Body):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class ProxyError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
-
-
-def _error(status: int, message: str, code: str | None, param: str | None = None,
-           kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
-
-
 class AgentProxy:
-    """The proxy's state (sessions, the tokenizer, the engine's ``generate``) and its FastAPI ``app``."""
+    """The proxy's state (sessions, the tokenizer, the engine's ``generate``, the limits) and its ASGI ``app``."""
 
-    def __init__(self, tokenizer, generate: Generate, *, model_name: str = "hpcrl-policy",
-                 max_tokens: int = 256, admin_key: str | None = None) -> None:
+    def __init__(self, tokenizer, generate: Generate, *, limits: ModelLimits, cfg: AgentConfig | None = None,
+                 model_name: str = "hpcrl-policy", max_tokens: int = 256, admin_key: str | None = None,
+                 counts: Counter | None = None) -> None:
         self.tokenizer, self.generate = tokenizer, generate
         self.model_name, self.max_tokens = model_name, max_tokens
+        self.cfg = cfg if cfg is not None else AgentConfig()
+        self.limits, self.max_prompt_tokens = limits, prompt_budget(limits, self.cfg.max_prompt_tokens, max_tokens)
         self.admin_key = admin_key  # None: no admin API (404)
         self.sessions: dict[str, Session] = {}
+        self.counts = counts if counts is not None else Counter()  # refusals by code: rejected_<code>
         self.template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
-        self.app = self._build_app()
+        self.app = Guard(build_app(self), self, self.cfg.max_request_bytes)
 
     # -- sessions ------------------------------------------------------------------
     def open(self, episode: Hashable) -> str:
         """A new session for ``episode``; its API key."""
         key = _new_key()
-        self.sessions[key] = Session(key, episode, keys=[key])
+        quota = Quota(rate=self.cfg.session_rate_limit, max_in_flight=self.cfg.session_max_in_flight)
+        self.sessions[key] = Session(key, episode, keys=[key], quota=quota)
         return key
 
     def add_key(self, key: str) -> str:
@@ -211,27 +189,33 @@ class AgentProxy:
             self.sessions.pop(k, None)
         return session
 
-    def _session(self, request: Request) -> Session:
-        key = _bearer(request)
-        session = self.sessions.get(key)
+    def session_of(self, key: str) -> Session:
+        """The open session of API key ``key``; raises the 401 that refuses it."""
+        session = self.sessions.get(key) if key else None
         if session is None:
             raise ProxyError(401, "no open episode has this API key" if key else "missing API key (Bearer)",
                              "invalid_api_key")
         return session
 
-    def _admin(self, request: Request) -> None:
-        """Every admin request's first check, before its body is read: 404 when there is no admin API, 401
-        without the admin key."""
+    def check_admin(self, key: str) -> None:
+        """404 when there is no admin API, 401 unless ``key`` is the admin key."""
         if self.admin_key is None:
             raise ProxyError(404, "not found: the admin API is off (agent.admin_key_file)", "not_found")
-        if not secrets.compare_digest(_bearer(request).encode(), self.admin_key.encode()):
+        if not secrets.compare_digest(key.encode(), self.admin_key.encode()):
             raise ProxyError(401, "the admin API needs the admin key (Bearer)", "invalid_api_key")
 
-    def _named(self, key: str) -> Session:
+    def named(self, key: str) -> Session:
         session = self.sessions.get(key)
         if session is None:
             raise ProxyError(404, "no open episode has this key", "session_not_found", "key")
         return session
+
+    def count(self, code: str | None) -> None:
+        """One refused request: counted by its code; the first of each code is logged as a warning."""
+        name = f"rejected_{code or 'error'}"
+        self.counts[name] += 1
+        (log.warning if self.counts[name] == 1 else log.debug)(
+            "agent proxy refused a request (%s; counted as %s in the rollout's stats)", code, name)
 
     # -- rendering -----------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
@@ -272,10 +256,30 @@ class AgentProxy:
         return self.encode(full)
 
     # -- generation ----------------------------------------------------------------
-    async def _complete(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]) -> Call:
+    async def complete(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str], n: int,
+                       param: str) -> list[Call]:
+        """``n`` completions of ``prompt_ids`` (generated together), once the prompt passed :meth:`admit`."""
+        max_new = self.admit(prompt_ids, max_tokens, param)
+        return list(await asyncio.gather(*(self._complete(prompt_ids, max_new, stop) for _ in range(n))))
+
+    def admit(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        """The tokens to generate for ``prompt_ids``, or the 400 that refuses it: an empty prompt, a token id
+        outside the vocabulary, a prompt over ``max_prompt_tokens``. ``max_tokens`` is capped at the run's
+        ``rollout.max_new_tokens`` and at what the context leaves after the prompt."""
         if not prompt_ids:
-            raise ProxyError(400, "the prompt is empty", "empty_prompt", "prompt")
-        c = await self.generate(prompt_ids, min(max_tokens or self.max_tokens, self.max_tokens))
+            raise ProxyError(400, "the prompt is empty", "empty_prompt", param)
+        max_new = min(max_tokens or self.max_tokens, self.max_tokens)
+        if self.limits.context is not None:
+            max_new = min(max_new, self.limits.context - len(prompt_ids))
+        try:
+            self.limits.check_ids(prompt_ids, param)
+            self.limits.check_length(len(prompt_ids), max(max_new, 1), self.max_prompt_tokens, param)
+        except Rejected as e:
+            raise ProxyError(400, e.message, e.code, e.param) from None
+        return max_new
+
+    async def _complete(self, prompt_ids: list[int], max_new: int, stop: list[str]) -> Call:
+        c = await self.generate(prompt_ids, max_new)
         out, logprobs, versions, reason = list(c.output_ids), list(c.logprobs), list(c.versions), c.finish_reason
         if stop:
             cut = self._stop_at(out, stop)
@@ -303,129 +307,22 @@ class AgentProxy:
                 lo = mid + 1
         return lo
 
-    def _text(self, ids: list[int], stop: list[str]) -> str:
+    def text(self, ids: list[int], stop: list[str]) -> str:
         text = self.decode(ids, True)
         hits = [text.index(s) for s in stop if s and s in text]
         return text[:min(hits)] if hits else text
 
-    def _token_logprobs(self, call: Call) -> list[dict]:
+    def token_logprobs(self, call: Call) -> list[dict]:
         toks = [self.decode([t], False) for t in call.output_ids]
         return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, lp in zip(toks, call.logprobs)]
 
-    # -- the app -------------------------------------------------------------------
-    def _build_app(self) -> FastAPI:
-        app = FastAPI(title="hpcrl agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.exception_handler(ProxyError)
-        async def proxy_error(_r: Request, e: ProxyError) -> JSONResponse:
-            return _error(e.status, e.message, e.code, e.param, e.kind)
-
-        @app.exception_handler(RequestValidationError)
-        async def bad_body(_r: Request, e: RequestValidationError) -> JSONResponse:
-            first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-            return _error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}",
-                          "invalid_request", where or None)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-            return _error(e.status_code, str(e.detail), None)
-
-        @app.exception_handler(Exception)
-        async def internal(_r: Request, e: Exception) -> JSONResponse:
-            log.exception("agent proxy: request failed")
-            return _error(500, f"internal error ({type(e).__name__})", "internal_error", kind="server_error")
-
-        admin = [Depends(self._admin)]
-
-        @app.get("/admin/sessions", dependencies=admin)
-        async def sessions() -> dict:
-            now = time.time()
-            return {"object": "list", "data": [
-                {"id": key, "episode": str(s.episode), "keys": len(s.keys), "calls": len(s.calls),
-                 "reward": s.reward, "age_s": round(now - s.opened, 3)}
-                for key, s in self.sessions.items() if key == s.key]}
-
-        @app.post("/admin/sessions", dependencies=admin)
-        async def add_key(body: ParentBody) -> dict:
-            self._named(body.parent)
-            return {"api_key": self.add_key(body.parent)}
-
-        @app.post("/admin/sessions/{key}/reward", dependencies=admin)
-        async def set_reward(key: str, body: RewardBody) -> dict:
-            session = self._named(key)
-            if not math.isfinite(body.reward):
-                raise ProxyError(400, f"reward: must be a finite number, got {body.reward}", "invalid_request",
-                                 "reward")
-            session.reward = body.reward
-            return {"id": session.key, "reward": session.reward}
-
-        @app.post("/admin/sessions/{key}/end", dependencies=admin)
-        async def end(key: str) -> dict:
-            session = self._named(key)
-            self.close(key)
-            session.ended.set()
-            return {"id": session.key, "calls": len(session.calls), "reward": session.reward}
-
-        @app.get("/v1/models")
-        async def models(request: Request) -> dict:
-            self._session(request)
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                 "owned_by": "hpcrl"}]}
-
-        @app.post("/v1/completions")
-        async def completions(body: CompletionBody, request: Request):
-            session = self._session(request)
-            prompt = body.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                if len(prompt) != 1:
-                    raise ProxyError(400, "one prompt per request", "invalid_request", "prompt")
-                prompt = prompt[0]
-            ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-            stop = _stops(body.stop)
-            calls = [await self._complete(ids, body.max_tokens, stop) for _ in range(body.n)]
-            session.calls.extend(calls)
-            choices = [{"index": i, "text": self._text(c.output_ids, stop), "finish_reason": c.finish_reason,
-                        "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None}
-                       for i, c in enumerate(calls)]
-            out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                   "model": self.model_name, "choices": choices, "usage": _usage(ids, calls)}
-            return _sse([{**out, "choices": [ch]} for ch in choices]) if body.stream else out
-
-        @app.post("/v1/chat/completions")
-        async def chat(body: ChatBody, request: Request):
-            session = self._session(request)
-            messages = [_normalise(m) for m in body.messages]
-            tools = None if body.tool_choice == "none" else body.tools
-            ids = self.chat_prompt(session, messages, tools)
-            stop = _stops(body.stop)
-            choices, calls = [], []
-            for i in range(body.n):
-                call = await self._complete(ids, body.max_completion_tokens or body.max_tokens, stop)
-                text = self._text(call.output_ids, stop)
-                content, tool_calls = parse_tool_calls(text) if tools else (text, [])
-                reply = {"role": "assistant", "content": content or None}
-                if tool_calls:
-                    reply["tool_calls"] = tool_calls
-                    call.finish_reason = "tool_calls" if call.finish_reason == "stop" else call.finish_reason
-                call.messages, call.reply = messages, _normalise(reply)
-                calls.append(call)
-                choices.append({"index": i, "message": reply, "finish_reason": call.finish_reason,
-                                "logprobs": {"content": self._token_logprobs(call)} if body.logprobs else None})
-            session.calls.extend(calls)
-            out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                   "model": self.model_name, "choices": choices, "usage": _usage(ids, calls)}
-            return _chat_stream(out) if body.stream else out
-
-        return app
-
-    def _completion_logprobs(self, call: Call) -> dict:
+    def completion_logprobs(self, call: Call) -> dict:
         toks = [self.decode([t], False) for t in call.output_ids]
         return {"tokens": toks, "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
 
 
-async def listen(app: FastAPI, host: str, port: int, timeout_s: float = 30.0):
+async def listen(app, host: str, port: int, timeout_s: float = 30.0):
     """Serve ``app`` with uvicorn on the running loop; (server, its serving task, the bound port) once it listens.
     Stop it with ``server.should_exit = True`` and await the task."""
     import uvicorn
@@ -446,88 +343,3 @@ async def listen(app: FastAPI, host: str, port: int, timeout_s: float = 30.0):
 
 def _new_key() -> str:
     return "sk-hpcrl-" + secrets.token_urlsafe(24)
-
-
-def _bearer(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` spans of ``text`` as OpenAI
-    ``tool_calls``, and the text outside them. A span that is not such JSON stays in the text."""
-    calls, kept, pos = [], [], 0
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, KeyError, TypeError):
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    kept.append(text[pos:])
-    return "".join(kept).strip() if calls else text, calls
-
-
-def _normalise(message: dict) -> dict:
-    """A message as compared for continuations: role, content (text parts joined), tool calls without ids."""
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out = {"role": message.get("role"), "content": content or None}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [{"type": "function", "function": {
-            "name": t["function"]["name"], "arguments": _canonical_args(t["function"].get("arguments", "{}"))}}
-            for t in message["tool_calls"]]
-    for key in ("name", "tool_call_id"):
-        if message.get(key) is not None:
-            out[key] = message[key]
-    return out
-
-
-def _canonical_args(args: Any) -> str:
-    try:
-        return json.dumps(json.loads(args) if isinstance(args, str) else args)
-    except ValueError:
-        return str(args)
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-def _usage(prompt_ids: list[int], calls: list[Call]) -> dict:
-    completion = sum(len(c.output_ids) for c in calls)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}
-
-
-def _sse(chunks: list[dict]) -> StreamingResponse:
-    async def events():
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _chat_stream(out: dict) -> StreamingResponse:
-    """A finished chat completion as ``chat.completion.chunk`` events: role, content, tool calls, finish."""
-    base = {"id": out["id"], "object": "chat.completion.chunk", "created": out["created"], "model": out["model"]}
-    chunks = []
-    for ch in out["choices"]:
-        i, msg = ch["index"], ch["message"]
-        chunks.append({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None}]})
-        if msg.get("content"):
-            chunks.append({**base, "choices": [{"index": i, "delta": {"content": msg["content"]},
-                                                "logprobs": ch["logprobs"], "finish_reason": None}]})
-        for k, t in enumerate(msg.get("tool_calls", [])):
-            chunks.append({**base, "choices": [{"index": i, "delta": {"tool_calls": [{"index": k, **t}]},
-                                                "finish_reason": None}]})
-        chunks.append({**base, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"]}]})
-    return _sse(chunks)

@@ -46,6 +46,7 @@ from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import Exported, concat, individual
 from hpcrl.agent.proxy import AgentProxy, Call, ProxyError, listen, read_admin_key
 from hpcrl.data.rows import Row
+from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 from hpcrl.rollout.episodes import Episode, EpisodeKey
@@ -68,9 +69,10 @@ def load_agent_fn(path: str) -> AgentFn:
 
 class AgentEpisodes:
     def __init__(self, engine: InferenceEngine, tokenizer, cfg: AgentConfig, fn: AgentFn, *,
-                 max_tokens: int, model_name: str = "hpcrl-policy") -> None:
+                 max_tokens: int, limits: ModelLimits, model_name: str = "hpcrl-policy") -> None:
         self.engine, self.cfg, self.fn = engine, cfg, fn
-        self.stats: Counter = Counter()  # ok / error / timeout / no_call episodes, off-branch calls
+        # ok / error / timeout / no_call episodes, off-branch calls, the proxy's refusals (rejected_<code>)
+        self.stats: Counter = Counter()
         self._ids = itertools.count()
         self._run_ids = itertools.count(1)
         self._runs: dict[EpisodeKey, int] = {}  # key -> its current run's id, until delivered (older runs dropped)
@@ -83,12 +85,12 @@ class AgentEpisodes:
         self._delivered: dict[EpisodeKey, int] = {}
         self._tasks: set[asyncio.Task] = set()  # running episodes (loop thread only)
         self._news = threading.Event()  # set when a request is queued or an episode ended
+        admin_key = read_admin_key(cfg.admin_key_file) if cfg.admin_key_file else None
+        self.proxy = AgentProxy(tokenizer, self._generate, limits=limits, cfg=cfg, model_name=model_name,
+                                max_tokens=max_tokens, admin_key=admin_key, counts=self.stats)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
-        admin_key = read_admin_key(cfg.admin_key_file) if cfg.admin_key_file else None
-        self.proxy = AgentProxy(tokenizer, self._generate, model_name=model_name, max_tokens=max_tokens,
-                                admin_key=admin_key)
         self._server, self._serving, port = asyncio.run_coroutine_threadsafe(
             listen(self.proxy.app, cfg.host, cfg.port), self.loop).result()
         self.base_url = f"http://{advertised_host(cfg.host)}:{port}/v1"
@@ -115,7 +117,11 @@ class AgentEpisodes:
     def finished(self) -> list[tuple[EpisodeKey, Episode]]:
         self._news.clear()
         while not self._requests.empty():
-            self.engine.submit(self._requests.get())
+            request = self._requests.get()
+            try:
+                self.engine.submit(request)
+            except ValueError as e:  # the engine refuses it: that call fails alone (the proxy checked it already)
+                self.loop.call_soon_threadsafe(self._refuse, request.id[1], e)
         out = []
         while not self._done.empty():
             key, run, episode, result = self._done.get()
@@ -166,6 +172,12 @@ class AgentEpisodes:
         self._requests.put(Request(id=("agent", rid), prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens))
         self._news.set()
         return await future
+
+    def _refuse(self, rid: int, error: ValueError) -> None:
+        future = self._pending.pop(rid, None)
+        if future is not None and not future.done():
+            future.set_exception(ProxyError(400, f"the engine refused the request: {error}",
+                                            getattr(error, "code", "invalid_request")))
 
     def _resolve(self, completion: Completion) -> None:
         future = self._pending.pop(completion.id[1], None)

@@ -11,7 +11,10 @@ raised, timed out, returned no number or made no call). An agent that takes seve
 calls tools is measured doing that, which one completion of its first
 prompt cannot show.
 
-Completions are batched: every episode's call waits in a queue, and one HF
+The proxy checks every call as in training (:mod:`hpcrl.agent.guard`,
+:meth:`~hpcrl.agent.proxy.AgentProxy.admit`, the limits of ``agent``); a
+batch whose generation fails fails its calls (500) and the evaluation goes
+on. Completions are batched: every episode's call waits in a queue, and one HF
 ``generate`` (greedy, left-padded, in a worker thread so that the proxy keeps
 serving) answers all calls queued when the previous batch ended, up to
 ``batch_size``.
@@ -33,9 +36,11 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from hpcrl.agent.proxy import AgentProxy, listen
+from hpcrl.agent.config import AgentConfig
+from hpcrl.agent.proxy import AgentProxy, ProxyError, listen
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import N_EXAMPLES, EvalResult, left_pad
+from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.runner import to_reward
 from hpcrl.rollout.engine import Completion
 
@@ -67,9 +72,18 @@ class _GreedyBatches:
             await asyncio.sleep(0.005)  # calls sent together arrive over a few loop turns
             while self.queue:
                 batch, self.queue = self.queue[:self.batch_size], self.queue[self.batch_size:]
-                outs = await asyncio.to_thread(self._generate, [(p, n) for p, n, _ in batch])
+                try:
+                    outs = await asyncio.to_thread(self._generate, [(p, n) for p, n, _ in batch])
+                except Exception as e:  # noqa: BLE001 - the batch's calls fail (500), the evaluation goes on
+                    log.exception("agent evaluation: a batch of %d calls failed", len(batch))
+                    outs = [ProxyError(500, f"generation failed ({type(e).__name__})", "internal_error",
+                                       kind="server_error") for _ in batch]
                 for (_, _, future), out in zip(batch, outs):
-                    if not future.done():  # its episode may have timed out meanwhile
+                    if future.done():  # its episode may have timed out meanwhile
+                        continue
+                    if isinstance(out, Exception):
+                        future.set_exception(out)
+                    else:
                         future.set_result(out)
                 self.calls += len(batch)
                 self.batches += 1
@@ -105,6 +119,7 @@ def agent_accuracy(
     concurrency: int = 64,
     batch_size: int = 256,
     after_batch: Callable[[int], None] | None = None,
+    cfg: AgentConfig | None = None,
 ) -> EvalResult:
     """Mean reward of ``fn``'s episodes on ``rows`` with greedy completions (see the module's docstring)."""
     if not rows:
@@ -113,16 +128,18 @@ def agent_accuracy(
     model.eval()
     try:
         return asyncio.run(_evaluate(model, tokenizer, rows, fn, max_new_tokens, timeout_s, concurrency, batch_size,
-                                     after_batch))
+                                     after_batch, cfg))
     finally:
         model.train(was_training)
 
 
 async def _evaluate(model, tokenizer, rows: list[Row], fn: Callable, max_new_tokens: int, timeout_s: float,
-                    concurrency: int, batch_size: int, after_batch: Callable[[int], None] | None) -> EvalResult:
+                    concurrency: int, batch_size: int, after_batch: Callable[[int], None] | None,
+                    cfg: AgentConfig | None) -> EvalResult:
     finished = 0
     batches = _GreedyBatches(model, tokenizer, batch_size, lambda: after_batch and after_batch(finished))
-    proxy = AgentProxy(tokenizer, batches.generate, max_tokens=max_new_tokens)
+    proxy = AgentProxy(tokenizer, batches.generate, limits=ModelLimits.of_config(model.config), cfg=cfg,
+                       max_tokens=max_new_tokens)
     server, serving, port = await listen(proxy.app, "127.0.0.1", 0)
     base_url = f"http://127.0.0.1:{port}/v1"
     limit = asyncio.Semaphore(concurrency)

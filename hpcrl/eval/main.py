@@ -62,7 +62,7 @@ class Evaluator:
         self.tokenizer = load_tokenizer(prep.init_model)
         self.device = detect("auto").device()
         self.model = load_model(prep.init_model).to(self.device)
-        _, rows = load_datasets(cfg, self.tokenizer, Path(prep.train_path), Path(prep.eval_path))
+        _, rows = load_datasets(cfg, self.tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
         self.rows = rows[: cfg.eval.size]
         self.runner = RewardRunner(cfg.reward)
         self.measure = held_out(cfg, self.tokenizer, self.runner)

@@ -41,6 +41,7 @@ from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepare import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
+from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.rollout.engines import EngineSite, build_engine
 from hpcrl.rollout.server import EngineServerError
@@ -56,7 +57,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                  fence: Fence | NoFence | None = None) -> RolloutWorker:
     """A rollout worker on the initial policy (or on ``model``, for colocated mode)."""
     tokenizer = load_tokenizer(prep.init_model)
-    train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path),
+                                   prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     spool, reward = Spool(run_dir / "spool", fence=fence), RewardRunner(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
@@ -68,7 +70,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
         reward.close()
         raise
     try:
-        episodes = _agent_episodes(cfg, engine, tokenizer) if cfg.agent.fn else None
+        episodes = _agent_episodes(cfg, engine, tokenizer, prep.init_model) if cfg.agent.fn else None
     except BaseException:
         engine.close()
         reward.close()
@@ -78,12 +80,12 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                          chat_template=cfg.data.chat_template, episodes=episodes)
 
 
-def _agent_episodes(cfg: RunConfig, engine, tokenizer):
+def _agent_episodes(cfg: RunConfig, engine, tokenizer, model_path: str):
     """agent.fn set: each sample is an episode of that function against this job's proxy (hpcrl.agent)."""
     from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # fastapi/uvicorn only where agents run
 
     return AgentEpisodes(engine, tokenizer, cfg.agent, load_agent_fn(cfg.agent.fn),
-                         max_tokens=cfg.rollout.max_new_tokens)
+                         max_tokens=cfg.rollout.max_new_tokens, limits=ModelLimits.of_dir(model_path))
 
 
 def run(run_dir: Path, replica: int) -> None:

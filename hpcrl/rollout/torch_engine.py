@@ -49,6 +49,7 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from hpcrl.model.limits import ModelLimits
 from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.weights.version import WeightVersion
 
@@ -120,6 +121,7 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.sampling = sampling
         self._version = version
+        self.limits = ModelLimits(vocab_size=model.get_input_embeddings().num_embeddings, context=None)
         self._device = next(model.parameters()).device
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(seed)
@@ -157,6 +159,9 @@ class TorchEngine:
         return len(self._waiting)
 
     def submit(self, request: Request) -> None:
+        """Queue ``request``; raises :class:`~hpcrl.model.limits.Rejected` (a ValueError) for a token id outside
+        the vocabulary, which would otherwise fail the decode step of every running sequence."""
+        self.limits.check_ids(request.prompt_ids, f"request {request.id!r}: prompt_ids")
         self._waiting.append(request)
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:

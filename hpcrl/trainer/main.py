@@ -178,7 +178,7 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: 
 def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
                 fence: Fence | NoFence | None = None) -> tuple[BatchFeed, Reporter, RewardRunner]:
     """The pieces only rank 0 owns: the spool feed and the reporter."""
-    train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path))
+    train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
                      cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
