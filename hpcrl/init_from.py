@@ -49,11 +49,18 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
-from hpcrl.ckpt.export import has_adapters, lora_settings_of, saved_keys, to_hf
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name
 
 log = logging.getLogger(__name__)
+
+
+def _export():
+    """:mod:`hpcrl.ckpt.export`, imported where a checkpoint's tensors are read (torch), so that the light
+    commands that check a source (``--dry-run --from``) stay light."""
+    from hpcrl.ckpt import export
+
+    return export
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings")
 INIT_DIR = "init"
@@ -96,12 +103,12 @@ def link_or_copy(src: str, dst: str) -> None:
 
 
 def has_critic(ckpt: Path) -> bool:
-    return any(k.startswith("critic.") for k in saved_keys(ckpt))
+    return any(k.startswith("critic.") for k in _export().saved_keys(ckpt))
 
 
 def check_adapters(cfg: RunConfig, src: Path) -> None:
     """A checkpoint's policy state loads only into a trainer with the same LoRA adapters (or none)."""
-    theirs = lora_settings_of(src) if has_adapters(src) else None
+    theirs = _export().lora_settings_of(src) if _export().has_adapters(src) else None
     ours = cfg.trainer.lora if cfg.trainer.lora.rank else None
 
     def same(s) -> tuple | None:
@@ -121,7 +128,7 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
     meta = atomic.read_json(src / "trainer.json")
     restore = cfg.init.restore
     load = ["model"] + (["critic"] if has_critic(src) else [])
-    theirs, ours = weight_layout(saved_keys(src)), trainer_layout(cfg)
+    theirs, ours = weight_layout(_export().saved_keys(src)), trainer_layout(cfg)
     if theirs.split()[0] != ours.split()[0]:  # another engine's state does not load: the policy is the weights
         # exported to init/model (the megatron engine reshards its own onto other TP/PP sizes as it loads)
         if "optimizer" in restore:
@@ -197,7 +204,7 @@ def start_from(cfg: RunConfig, run_dir: Path, base_model: Path, num_rows: int) -
     taken = {"checkpoint": str(src), "restore": list(cfg.init.restore), "data_offset": 0}
     if "data" in cfg.init.restore:
         taken["data_offset"] = data_offset(src, num_rows, cfg.seed)
-    init = to_hf(src, src_model, run_dir / INIT_DIR / "model")
+    init = _export().to_hf(src, src_model, run_dir / INIT_DIR / "model")
     step0 = write_step0(cfg, src, run_dir)
     if "data" in cfg.init.restore:
         admission = run_dir / "admission"

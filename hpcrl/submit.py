@@ -57,7 +57,6 @@ from hpcrl import atomic
 from hpcrl.config import ConfigError, RunConfig, load_config, save
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
-from hpcrl.prepare import prepare
 from hpcrl.launch.scheduler import ComponentFailed
 from hpcrl.launch.control import CANCEL, EXIT_CANCELLED
 from hpcrl.launch.dry_run import dry_run
@@ -190,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("run directory: %s%s", run_dir, " (resumed)" if args.resume else "")
     try:
         if not (run_dir / "prepared.json").exists():
+            from hpcrl.prepare import prepare  # torch and transformers: only where a run is prepared
+
             prepare(cfg, run_dir)
         supervise(cfg, run_dir, preempt=preempt)
     except ComponentFailed as e:

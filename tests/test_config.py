@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import ConfigError, RunConfig, from_dict, load_config, save, to_dict
+from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
 from hpcrl.submit import main as submit_main
+from light import heavy_modules, light_command
 
 QUICK = "configs/quickstart.yaml"
 
@@ -153,17 +155,34 @@ def test_loading_a_config_imports_no_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_light_commands_import_neither_torch_nor_transformers() -> None:
+    """``python -m hpcrl status|cancel``, the audit, the supervisor and ``hpcrl.submit`` (whose --dry-run and
+    --resume run in the process that imports it) start without the heavy stack."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; import hpcrl.__main__, hpcrl.audit, hpcrl.submit, hpcrl.launch.supervisor, "
+            "hpcrl.launch.dry_run, hpcrl.launch.resume, hpcrl.init_from; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_dry_run_checks_model_and_data_and_creates_nothing(tmp_path) -> None:
     """``--dry-run`` prints each component's request and fails on a missing model or dataset, before anything
     exists: no run directory, no dataset, no model."""
     root = Path(__file__).resolve().parents[1]
 
     def dry(*overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(root / "configs/quickstart.yaml"),
-                               f"run_dir={tmp_path}/run", f"model.cache_dir={tmp_path}/models",
-                               f"data.synthetic_dir={tmp_path}/data", *overrides, "--dry-run"],
-                              capture_output=True, text=True, timeout=120, cwd=root,
-                              env={**os.environ, "PYTHONPATH": str(root)})
+        out = subprocess.run(light_command("hpcrl.submit", "--config", str(root / "configs/quickstart.yaml"),
+                                           f"run_dir={tmp_path}/run", f"model.cache_dir={tmp_path}/models",
+                                           f"data.synthetic_dir={tmp_path}/data", *overrides, "--dry-run"),
+                             capture_output=True, text=True, timeout=120, cwd=root,
+                             env={**os.environ, "PYTHONPATH": f"{root}:{root / 'tests'}"})
+        assert heavy_modules(out.stderr) == []  # a light command, whatever it checks
+        return out
 
     ok = dry("rollout.replicas=2")
     assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
@@ -178,6 +197,16 @@ def test_dry_run_checks_model_and_data_and_creates_nothing(tmp_path) -> None:
     assert f"[FAIL] model: model.path: {tmp_path}/nomodel is not a directory" in bad.stdout
     assert f"[FAIL] data: data.train_path: {tmp_path}/train.jsonl does not exist" in bad.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created
+    model = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                                                 num_kv_heads=2, head_dim=8, intermediate_size=32))
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    real = dry("model.tiny=false", f"model.path={model}", "data.synthetic=none",
+               f"data.train_path={tmp_path}/train.jsonl")
+    assert real.returncode == 0 and f"[ok] model: model {model} (tokenizer: " in real.stdout, real.stdout
+    (model / "tokenizer.json").write_text("{broken")
+    broken = dry("model.tiny=false", f"model.path={model}", "data.synthetic=none",
+                 f"data.train_path={tmp_path}/train.jsonl")
+    assert broken.returncode == 1 and "[FAIL] model: model.path: the tokenizer in" in broken.stdout, broken.stdout
 
 
 def test_rewind_and_from_are_refused_where_they_do_not_apply(tmp_path, capsys) -> None:

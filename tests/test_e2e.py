@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from chaos_script import load_chaos
+from light import heavy_modules, light_command
 
 from hpcrl.audit import audit
 from hpcrl.ckpt.store import committed
@@ -26,6 +27,7 @@ from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
 
 pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -171,8 +173,10 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
     def resume(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "hpcrl.submit", "--resume", *args], capture_output=True,
-                              text=True, timeout=300, env=env, cwd=ROOT)
+        out = subprocess.run(light_command("hpcrl.submit", "--resume", *args), capture_output=True, text=True,
+                             timeout=300, env={**env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, cwd=ROOT)
+        assert heavy_modules(out.stderr) == []  # the supervisor stays light: its components do the heavy work
+        return out
 
     bad = resume(str(run), "trainer.lr=1", "eval.every_steps=0")
     assert bad.returncode == 2 and "--resume cannot change trainer.lr:" in bad.stderr, bad.stderr[-2000:]
@@ -215,9 +219,12 @@ def test_resume_a_stopped_run(tmp_path, cache, sig) -> None:
 
 
 def hpcrl_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    """``python -m hpcrl ...``, which never imports torch or transformers (checked at every call)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    out = subprocess.run(light_command("hpcrl", *args), capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=ROOT)
+    assert heavy_modules(out.stderr) == []
+    return out
 
 
 def status_of(run: Path) -> dict:
@@ -284,6 +291,9 @@ def test_status_and_cancel_with_and_without_a_live_supervisor(tmp_path, cache) -
     assert status_of(run)["state"] == "cancelled"
     rep = audit(run)
     assert rep.ok and rep.steps == again, rep.violations
+    cli = subprocess.run(light_command("hpcrl.audit", str(run)), capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    assert cli.returncode == 0 and heavy_modules(cli.stderr) == [], cli.stdout + cli.stderr[-2000:]
 
 
 def test_resume_after_a_supervisor_crash_never_runs_two_owners(tmp_path, cache) -> None:

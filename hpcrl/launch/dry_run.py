@@ -1,10 +1,12 @@
 """``python -m hpcrl.submit --config X.yaml [key=value ...] --dry-run``: check a run before it waits in a queue.
 
-Creates nothing (no run directory, no dataset, no model, no job). In order:
+Creates nothing (no run directory, no dataset, no model, no job), and imports
+neither torch nor transformers. In order:
 
 1. the config was loaded and validated by the caller (a bad key exits 2);
 2. the model: a local HuggingFace folder must exist with its ``config.json``
-   and a tokenizer that loads (a tiny model to be built is reported as such);
+   and a tokenizer that parses and names an eos token (a tiny model to be
+   built is reported as such);
 3. the data: ``data.train_path`` / ``data.eval_path`` must exist and parse
    into rows (synthetic tasks are generated at the start, reported as such);
    a start from another run's checkpoint (``init.checkpoint``): it verifies
@@ -42,13 +44,39 @@ def check_model(cfg: RunConfig) -> tuple[bool, str]:
         return False, f"model.path: {path} is not a directory"
     if not (path / "config.json").exists():
         return False, f"model.path: {path} has no config.json (not a HuggingFace model folder)"
-    from hpcrl.model.hf_io import load_tokenizer  # transformers: only when there is a model to look at
+    return tokenizer_check(path)
+
+
+def tokenizer_check(path: Path) -> tuple[bool, str]:
+    """The folder's tokenizer, read without transformers (the dry-run stays a light command): a
+    ``tokenizer.json`` must parse with the ``tokenizers`` library, and an eos token must be named (generation
+    needs one); a tokenizer in other files (``tokenizer.model``, ``vocab.json``) is found, and loads at the
+    start."""
+    import json
+
+    files = [f for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+             if (path / f).exists()]
+    if not files:
+        return False, f"model.path: no tokenizer files (tokenizer.json, tokenizer.model, vocab.json) in {path}"
+    special = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            special = {**json.loads((path / name).read_text()), **special}
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            return False, f"model.path: {path / name} does not parse: {e}"
+    if not special.get("eos_token"):
+        return False, f"model.path: the tokenizer in {path} names no eos token (needed to end generations)"
+    if "tokenizer.json" not in files:
+        return True, f"model {path} (tokenizer files: {', '.join(files)}; loaded at the start)"
+    from tokenizers import Tokenizer  # the Rust library transformers wraps; no torch
 
     try:
-        tok = load_tokenizer(path)
-    except Exception as e:  # whatever the tokenizer files hold, the user must hear it before queueing
+        size = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # whatever the file holds, the user must hear it before queueing
         return False, f"model.path: the tokenizer in {path} does not load: {type(e).__name__}: {e}"
-    return True, f"model {path} (tokenizer: {len(tok)} tokens)"
+    return True, f"model {path} (tokenizer: {size} tokens)"
 
 
 def check_start(cfg: RunConfig) -> tuple[bool, str]:

@@ -16,7 +16,7 @@ hangs is cancelled and resubmitted by the watchdog
 (:mod:`hpcrl.watchdog.policy`); when its budget is spent the others are
 stopped and :class:`ComponentFailed` carries the failing log's tail.
 
-Ownership (DESIGN 4.7, :mod:`hpcrl.runtime.owner`): before anything else
+Ownership (design.md §4.7, :mod:`hpcrl.runtime.owner`): before anything else
 the supervisor claims the run with a new owner epoch. It then stops what a
 previous owner left running (:mod:`hpcrl.launch.takeover`: the processes and
 jobs in ``jobs/registry.json``; each sees the new epoch and exits by itself,
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from hpcrl import atomic
 from hpcrl.config import RunConfig
-from hpcrl.runtime.dist import free_port
+from hpcrl.runtime.net import free_port
 from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, Scheduler, log_tail, python_module
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested

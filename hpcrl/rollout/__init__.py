@@ -1,4 +1,4 @@
-"""Rollout: inference engines and the rollout loop (DESIGN 3.3).
+"""Rollout: inference engines and the rollout loop (design.md §3.3).
 
 ``engine`` defines the boundary (``InferenceEngine``, ``Request``,
 ``Completion``, ``SamplingParams``); ``engines.build_engine`` builds the one

@@ -1,4 +1,4 @@
-"""The inference-engine boundary of a rollout job (DESIGN 3.3).
+"""The inference-engine boundary of a rollout job (design.md §3.3).
 
 One seam for every engine: the embedded torch engine, which decodes in the
 rollout's own thread, and server engines (vLLM, SGLang) that batch on their

@@ -59,7 +59,8 @@ def build_engine(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, 
 
 def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> InferenceEngine:
     from hpcrl.rollout.remote_engine import RemoteEngine
-    from hpcrl.rollout.server import ServerProcess, free_port
+    from hpcrl.rollout.server import ServerProcess
+    from hpcrl.runtime.net import free_port
 
     staging = _staging_dir(Path(cfg.staging_dir or _node_local()), site.name)
     staging.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,13 +40,6 @@ class EngineServerError(RuntimeError):
         self.what, self.log_path, self.tail = what, log_path, tail
         where = f" (log: {log_path})" if log_path else ""
         super().__init__(f"{what}{where}" + (f"\n--- last lines of the server log ---\n{tail}" if tail else ""))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 30) -> str:

@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from hpcrl.rollout.server import free_port
+from hpcrl.runtime.net import free_port
 
 log = logging.getLogger(__name__)
 

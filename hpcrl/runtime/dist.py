@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.runtime.device import detect
+from hpcrl.runtime.net import free_port  # noqa: F401 - where the rank bootstrap and tests take it from
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,3 @@ def init_from_env(backend: str = "auto") -> DistContext:
     return DistContext(rank, world, local_rank, device, backend)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
