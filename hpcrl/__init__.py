@@ -2,7 +2,7 @@
 
 Every component (trainer, rollout, reward, watchdog) is its own process or
 Slurm job; they meet on the shared filesystem in a run directory (see
-docs/architecture.md and DESIGN.md).
+docs/architecture.md and docs/design.md, the contract).
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Check a run directory against the invariants of DESIGN section 4.
+"""Check a run directory against the invariants of design.md §4.
 
 ``python -m hpcrl.audit <run_dir>`` reads only what the run left on disk:
 

@@ -1,4 +1,4 @@
-"""Run ownership (DESIGN 4.7) and only-admitted training (4.8), below the process level.
+"""Run ownership (design.md §4.7) and only-admitted training (design.md §4.8), below the process level.
 
 Epochs are claimed exclusively and in order; a fenced ledger, spool, weight publisher or checkpoint
 commit refuses to change the run; the feed quarantines never-admitted, duplicate, dropped and

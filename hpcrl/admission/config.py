@@ -1,4 +1,4 @@
-"""Configuration of the global admission ledger (DESIGN 3.2)."""
+"""Configuration of the global admission ledger (design.md §3.2)."""
 
 from __future__ import annotations
 

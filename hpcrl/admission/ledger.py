@@ -1,6 +1,6 @@
 """The global admission ledger: which prompt groups may be generated, and when.
 
-Lifecycle and ordering rules (DESIGN 3.2):
+Lifecycle and ordering rules (design.md §3.2):
 
 * A rollout process asks :meth:`AdmissionLedger.try_admit` for the next
   ticket, passing the policy version of the weights it generates with. Ticket

@@ -1,4 +1,4 @@
-"""Token log-probabilities and the decoupled PPO policy loss (DESIGN section 5), as pure functions.
+"""Token log-probabilities and the decoupled PPO policy loss (design.md §5), as pure functions.
 
 Per response token: ``logp_behav`` comes from the inference engine at generation,
 ``logp_prox`` is recomputed by the trainer with the weights at the start of the

@@ -1,4 +1,4 @@
-"""The train-engine boundary of the trainer component (DESIGN 3.4).
+"""The train-engine boundary of the trainer component (design.md §3.4).
 
 One seam for every training backend: FSDP2 (:mod:`hpcrl.trainer.fsdp`) and
 megatron-core (:mod:`hpcrl.trainer.mcore.engine`, tensor x pipeline x data parallel).

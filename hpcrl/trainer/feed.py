@@ -19,7 +19,7 @@ Ordering rules (rank 0 only):
   and its ticket reissued (see :mod:`hpcrl.trainer.reconcile`).
 * After the step, :meth:`BatchFeed.commit` moves the claimed files into
   ``trained/step_<v>/`` where ``v`` is the version that trained them.
-* Only admitted work is trained (DESIGN 4.8): every claimed file is checked
+* Only admitted work is trained (design.md §4.8): every claimed file is checked
   against the ledger before it joins the batch (:meth:`BatchFeed.verdict`:
   its ticket was admitted, the dataset position in the file is the ticket's,
   the ticket is neither trained nor dropped nor already in this batch).

@@ -1,7 +1,7 @@
 """The policy-training step every train engine shares: micro-batches, no-grad passes, advantages, updates.
 
-:class:`PolicyTrainer` holds the algorithm of one :meth:`train_step` (DESIGN
-3.4) in terms of a few things an engine provides, so that the FSDP2 and the
+:class:`PolicyTrainer` holds the algorithm of one :meth:`train_step` (design.md
+§3.4) in terms of a few things an engine provides, so that the FSDP2 and the
 megatron-core engines optimise exactly the same objective with the same
 statistics:
 

@@ -1,0 +1,65 @@
+"""Docs that cannot go stale: the design's sections that the code cites exist, and every repository path
+(and test id) that README.md and docs/*.md cite is there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = ("hpcrl/", "docs/", "tests/", "scripts/", "configs/", "examples/", "bench/", "sbatch/", "ckpt_tools/", ".ci/")
+CITATION = re.compile(r"design\.md\s+§(\d+(?:\.\d+)?)")
+
+
+def design_sections() -> set[str]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    return {m.group(1) for m in re.finditer(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", text, re.M)}
+
+
+def sources() -> list[Path]:
+    files = [p for d in ("hpcrl", "ckpt_tools", "scripts", "sbatch", "tests", "docs")
+             for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md", ".sh")]
+    return [*files, ROOT / "README.md"]
+
+
+def test_every_design_section_the_code_cites_exists() -> None:
+    sections = design_sections()
+    assert {"3.2", "3.3", "3.4", "4.7", "4.8", "4.10"} <= sections
+    cited = {}
+    for path in sources():
+        text = path.read_text(errors="replace")
+        assert not re.search(r"\bDESIGN\b(?!\.md)", text) or path.name == "test_docs.py", \
+            f"{path.relative_to(ROOT)} cites DESIGN: cite docs/design.md as 'design.md §N.M'"
+        for m in CITATION.finditer(text):
+            cited.setdefault(m.group(1), []).append(str(path.relative_to(ROOT)))
+    assert len(cited) >= 6, cited  # the code does cite the design
+    missing = {s: where for s, where in cited.items() if s not in sections}
+    assert not missing, f"cited sections that docs/design.md does not have: {missing}"
+
+
+def cited_paths(doc: Path) -> set[str]:
+    """Repository paths in backticks, and relative link targets, of one markdown file."""
+    text = doc.read_text()
+    out = set()
+    for m in re.finditer(r"`([^`\s]+)`", text):
+        token = re.sub(r":\d+(-\d+)?$", "", m.group(1).split("#")[0].rstrip(".,:;)"))
+        if token.startswith(TOP) and not any(c in token for c in "*<>{}$|"):
+            out.add(token)
+    for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+        target = m.group(1).split("#")[0]
+        if target and not target.startswith(("http://", "https://", "mailto:")):
+            out.add(str((doc.parent / target).resolve().relative_to(ROOT)))
+    return out
+
+
+def test_every_path_the_docs_cite_exists() -> None:
+    missing = []
+    for doc in DOCS:
+        for cited in sorted(cited_paths(doc)):
+            path, _, test = cited.partition("::")
+            if not (ROOT / path).exists():
+                missing.append(f"{doc.name}: {cited}")
+            elif test and not re.search(rf"^def {re.escape(test.split('[')[0])}\(", (ROOT / path).read_text(), re.M):
+                missing.append(f"{doc.name}: {cited} (no such test)")
+    assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
