@@ -104,23 +104,14 @@ def load_datasets(cfg: RunConfig, tokenizer, train_path: Path, eval_path: Path,
 
 
 def _context_check(cfg: RunConfig, tokenizer, limits: ModelLimits) -> Callable[[str], str | None]:
-    """Why a prompt is too long for the context with ``rollout.max_new_tokens`` after it (None: it fits).
-
-    A prompt is tokenised only when it might not fit: a token covers at least one byte of text, so the
-    rendered prompt's bytes (the template's own bytes plus the prompt's) bound its token count."""
-    room = None if limits.context is None else limits.context - cfg.rollout.max_new_tokens
-    if room is None:
+    """Why a prompt is too long for the context with ``rollout.max_new_tokens`` after it (None: it fits). Every
+    prompt is tokenised as the rollout will (no bound on tokens per byte holds for every tokenizer: a
+    SentencePiece prefix, Unicode normalisation)."""
+    if limits.context is None:
         return lambda prompt: None
-    overhead = 0
-    if cfg.data.chat_template:
-        encode_prompt(tokenizer, "x", True)  # the error of a tokenizer without a template
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                             tokenize=False)
-        overhead = len(text.encode()) - 1
+    room = limits.context - cfg.rollout.max_new_tokens
 
     def check(prompt: str) -> str | None:
-        if overhead + len(prompt.encode()) <= room:
-            return None
         n = len(encode_prompt(tokenizer, prompt, cfg.data.chat_template))
         return None if n <= room else (f"the prompt is {n} tokens: with rollout.max_new_tokens="
                                        f"{cfg.rollout.max_new_tokens} it exceeds the model's context of "

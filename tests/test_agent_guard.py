@@ -36,6 +36,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from hpcrl.agent.config import AgentConfig  # noqa: E402
 from hpcrl.agent.proxy import AgentProxy  # noqa: E402
+from hpcrl.agent.routes import build_app  # noqa: E402
 from hpcrl.agent.runner import AgentEpisodes  # noqa: E402
 from hpcrl.model.hf_io import load_model, load_tokenizer  # noqa: E402
 from hpcrl.model.limits import ModelLimits, Rejected  # noqa: E402
@@ -124,6 +125,24 @@ def post(url: str, path: str, key: str | None, body, **kw) -> httpx.Response:
     return httpx.post(url + path, content=content, headers=headers, timeout=60, **kw)
 
 
+def announce(runner: AgentEpisodes, method: str, path: str, key: str | None, length: int) -> tuple[int, dict, dict]:
+    """Send only the headers of a request whose body would be ``length`` bytes; the answer (status, headers,
+    error) that comes without the body."""
+    port = int(runner.base_url.rsplit(":", 1)[1].split("/")[0])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest(method, path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(length))
+        if key:
+            conn.putheader("Authorization", f"Bearer {key}")
+        conn.endheaders()
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())["error"]
+    finally:
+        conn.close()
+
+
 def error_of(response: httpx.Response) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in response.text
@@ -167,9 +186,8 @@ def test_a_prompt_longer_than_the_context_gets_400_and_a_huge_body_413(live) -> 
         assert e.value.body["code"] == "context_length_exceeded"
         r = client(runner.base_url, key).completions.create(model="p", prompt=[7] * 508, max_tokens=4)
         assert r.usage.prompt_tokens == 508  # the longest prompt allowed is served
-        huge = post(runner.base_url, "/chat/completions", key,
-                    {"messages": [{"role": "user", "content": "x" * (20 * MB)}]})
-        assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
+        status, headers, error = announce(runner, "POST", "/v1/chat/completions", key, 20 * MB)
+        assert (status, error["code"], headers["connection"]) == (413, "request_too_large", "close")
         chunked = httpx.post(runner.base_url + "/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
                              content=iter([b'{"prompt": "', b"x" * (3 * MB), b"x" * (3 * MB), b'"}']))
         assert chunked.status_code == 413  # no Content-Length: read up to the limit, then refused
@@ -182,10 +200,20 @@ def test_the_key_is_checked_before_the_body_on_every_route(live) -> None:
     url, admin = runner.base_url, runner.base_url.removesuffix("/v1")
     for path in ("/chat/completions", "/completions"):
         for key in (None, "sk-nobody"):
-            for body in (b"{not json", b'{"messages": 3}', b"x" * (20 * MB)):
+            for body in (b"{not json", b'{"messages": 3}'):
                 r = post(url, path, key, body)
                 assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
                 assert r.headers.get("connection") == "close"  # the body was never read
+            # a 20 MB body announced and never sent: the answer comes without the proxy waiting for it
+            status, headers, error = announce(runner, "POST", "/v1" + path, key, 20 * MB)
+            assert (status, error["code"], headers.get("connection")) == (401, "invalid_api_key", "close")
+    with session(runner) as key:  # one key in two headers: the guard and the route could read different ones
+        r = httpx.post(url + "/completions", timeout=10, content=b'{"prompt": "1"}',
+                       headers=[("Authorization", f"Bearer {key}"), ("Authorization", "Bearer sk-other")])
+        assert r.status_code == 401 and "one Authorization header" in error_of(r)["message"]
+        for path in ("/x", "//v1/completions", "/v2/completions", "/"):  # outside the API: 404, body unread
+            r = httpx.post(admin + path, timeout=10, content=b"{}", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 404 and r.headers.get("connection") == "close", (path, r.status_code)
     for body in (b"{not json", b'{"parent": 1}'):
         r = post(admin, "/admin/sessions", "sk-nobody", body)
         assert r.status_code == 404  # the admin API is off: nothing about it shows, whatever the body
@@ -215,6 +243,20 @@ MALFORMED = [  # body, the field the 400 names
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]},
      "tools.0.function.name"),
 ]
+
+
+def test_token_ids_are_json_integers_and_a_named_tool_must_be_offered(live) -> None:
+    runner, _ = live
+    with session(runner) as key:
+        for prompt in ([True, 5], [1.0], [3, "4"], "a\ud800b"):  # bools, floats, mixed, a lone surrogate
+            r = post(runner.base_url, "/completions", key, {"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 400 and error_of(r)["code"] == "invalid_request", (prompt, r.text)
+        r = post(runner.base_url, "/chat/completions", key, {"messages": [{"role": "user", "content": "1"}],
+                                                             "tool_choice": {"type": "function",
+                                                                             "function": {"name": "calc"}}})
+        assert r.status_code == 400 and "not one of the tools offered" in error_of(r)["message"]
+        r = post(runner.base_url, "/completions", key, b'{"prompt": ')
+        assert r.status_code == 400 and error_of(r)["param"] is None and "Invalid JSON" in error_of(r)["message"]
 
 
 def test_malformed_shapes_get_400_naming_the_field_and_the_connection_stays_usable(live) -> None:
@@ -314,7 +356,7 @@ def test_an_episode_over_its_quota_gets_429_with_retry_after() -> None:
 
     cfg = AgentConfig(session_max_in_flight=2, session_rate_limit=0)
     proxy = AgentProxy(tokenizer, generate, limits=ModelLimits(len(tokenizer), 512), cfg=cfg, max_tokens=4)
-    with serve(proxy.app) as url:
+    with serve(build_app(proxy)) as url:
         key, other = proxy.open(("q", 0)), proxy.open(("q", 1))
         sub = proxy.add_key(key)  # a sub-agent's key shares its episode's quota
         results = []
@@ -335,15 +377,18 @@ def test_an_episode_over_its_quota_gets_429_with_retry_after() -> None:
         for t in threads:
             t.join(30)
         assert [r.status_code for r in results] == [200, 200]
-        # the rate: a new episode with 0.5 requests per second, a burst of one (max(rate, 1))
-        proxy.cfg.session_rate_limit = 0.5
+        # n counts: a request of n = 3 would hold 3 completions of 2
+        big = post(url, "/completions", key, {"prompt": "1+", "max_tokens": 1, "n": 3})
+        assert big.status_code == 429 and error_of(big)["code"] == "too_many_requests_in_flight"
+        # the rate: a new episode with 0.1 requests per second, a burst of one (max(rate, 1))
+        proxy.cfg.session_rate_limit = 0.1
         slow = proxy.open(("q", 2))
         codes = [httpx.get(url + "/models", headers={"Authorization": f"Bearer {slow}"}, timeout=10)
                  for _ in range(4)]
-        assert [r.status_code for r in codes] == [200, 429, 429, 429]  # unless 2 s passed between two of them
-        assert error_of(codes[1])["code"] == "rate_limit_exceeded" and codes[1].headers["retry-after"] in ("1", "2")
-        assert proxy.counts["rejected_rate_limit_exceeded"] == 3 and proxy.counts["rejected_too_many_requests_in_flight"] == 1
-        proxy.sessions[slow].quota.stamp -= 2.0  # two seconds later: one request's worth refilled
+        assert [r.status_code for r in codes] == [200, 429, 429, 429]  # unless 10 s passed between two of them
+        assert error_of(codes[1])["code"] == "rate_limit_exceeded" and 1 <= int(codes[1].headers["retry-after"]) <= 10
+        assert proxy.counts["rejected_rate_limit_exceeded"] == 3 and proxy.counts["rejected_too_many_requests_in_flight"] == 2
+        proxy.sessions[slow].quota.stamp -= 10.0  # ten seconds later: one request's worth refilled
         assert httpx.get(url + "/models", headers={"Authorization": f"Bearer {slow}"}, timeout=10).status_code == 200
         assert httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
 
@@ -375,7 +420,8 @@ _scalar = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 40, 2 ** 40), st
 _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                            max_size=3), max_leaves=8)
 _ids = st.lists(st.one_of(st.integers(0, 60), st.integers(-3, 2 ** 31)), max_size=600)
-_text = st.one_of(st.text(max_size=40), st.text(alphabet="0123456789+=-*() ", max_size=40))
+_text = st.one_of(st.text(max_size=40), st.text(alphabet="0123456789+=-*() ", max_size=40),
+                  st.text(alphabet=st.characters(categories=["Cs", "Nd"]), max_size=4))  # lone surrogates too
 _part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio"])},
                               optional={"text": st.one_of(_text, _json)})
 _content = st.one_of(_text, st.lists(_part, max_size=3), _json)
@@ -454,6 +500,22 @@ def test_fuzzed_chat_requests_never_get_a_500_a_hang_or_a_dead_engine_loop(live,
 @given(body=st.one_of(_good_completion, _completion, _body))
 def test_fuzzed_completion_requests_never_get_a_500_a_hang_or_a_dead_engine_loop(live, fuzz_client, body) -> None:
     _check(*live, fuzz_client, "/completions", body)
+
+
+@FUZZ
+@given(path=st.one_of(st.sampled_from(["/v1/models", "/v1/completions", "/v1/chat/completions", "/admin/sessions",
+                                       "/admin/sessions/x/end", "/v1", "/", "/docs", "/openapi.json"]),
+                      st.text(alphabet="/v1adminsesconplt%.2F", max_size=30).map(lambda p: "/" + p)),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS"]),
+       keyed=st.booleans(), body=st.one_of(st.just(b""), _body.map(lambda b: b if isinstance(b, bytes) else
+                                                                      json.dumps(b).encode())))
+def test_fuzzed_paths_and_methods_never_get_a_500(live, fuzz_client, path, method, keyed, body) -> None:
+    runner, pump = live
+    headers = {} if keyed else {"Authorization": "Bearer sk-nobody"}
+    r = fuzz_client.request(method, runner.base_url.removesuffix("/v1") + path, content=body or None,
+                            headers=headers)
+    assert r.status_code < 500, (method, path, r.status_code, r.text[:300])
+    assert pump.is_alive() and pump.error is None
 
 
 def test_after_the_fuzzing_the_engine_loop_serves(live) -> None:

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from hpcrl.agent.export import concat, individual  # noqa: E402
 from hpcrl.agent.proxy import AgentProxy, parse_tool_calls  # noqa: E402
+from hpcrl.agent.routes import build_app  # noqa: E402
 from hpcrl.model.limits import ModelLimits  # noqa: E402
 from hpcrl.model.tiny import build_char_tokenizer  # noqa: E402
 from hpcrl.rollout.engine import Completion  # noqa: E402
@@ -74,7 +75,7 @@ def served():
     engine = ScriptedEngine(tokenizer)
     proxy = AgentProxy(tokenizer, engine.generate, limits=ModelLimits(vocab_size=len(tokenizer), context=1024),
                        max_tokens=128)
-    with serve(proxy.app) as url:
+    with serve(build_app(proxy)) as url:
         yield proxy, engine, url
 
 

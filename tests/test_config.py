@@ -158,10 +158,6 @@ def test_loading_a_config_imports_no_torch() -> None:
 def test_the_light_commands_import_neither_torch_nor_transformers() -> None:
     """``python -m hpcrl status|cancel``, the audit, the supervisor and ``hpcrl.submit`` (whose --dry-run and
     --resume run in the process that imports it) start without the heavy stack."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = ("import sys; import hpcrl.__main__, hpcrl.audit, hpcrl.submit, hpcrl.launch.supervisor, "
             "hpcrl.launch.dry_run, hpcrl.launch.resume, hpcrl.init_from; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")

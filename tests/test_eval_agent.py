@@ -92,7 +92,7 @@ def test_agents_that_fail_score_zero_and_after_batch_can_stop_it(tiny) -> None:
 
     got = agent_accuracy(model, tokenizer, ROWS[:8], unruly, max_new_tokens=3, timeout_s=5, concurrency=8)
     assert got.accuracy == 0.25 and [e[3] for e in got.examples] == [1.0, 0.0, 0.0, 0.0] * 2
-    assert got.metrics == {"eval/calls_per_episode": 0.25, "eval/episodes_failed": 0.75}
+    assert got.metrics == {"eval/calls_per_episode": 0.25, "eval/episodes_failed": 0.75, "eval/requests_refused": 0}
 
     def stop(done: int) -> None:
         raise KeyboardInterrupt("stop requested")

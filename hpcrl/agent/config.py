@@ -33,7 +33,7 @@ class AgentConfig:
     # longest prompt of a call, in tokens (400 context_length_exceeded beyond); 0 = the model's context minus
     # rollout.max_new_tokens
     max_prompt_tokens: int = 0
-    session_max_in_flight: int = 16  # requests of one episode (all its keys) at once; more get 429; 0 = no cap
+    session_max_in_flight: int = 16  # completions of one episode (all its keys; n counts n) in flight; 0 = no cap
     session_rate_limit: float = 50.0  # requests per second of one episode (burst: one second's worth); 0 = no cap
 
     def __post_init__(self) -> None:

@@ -5,22 +5,26 @@ every HTTP request, in this order:
 
 1. **Authenticate before reading anything**: ``/admin/*`` answers 404 when
    the proxy has no admin API and 401 without the admin key; ``/v1/*``
-   answers 401 unless the Bearer key is an open episode's. Neither reads or
-   parses the body first, so an unknown client learns nothing about the
+   answers 401 unless the Bearer key is an open episode's (one
+   ``Authorization`` header, no more); any other path is 404. None of these
+   reads or parses the body, so an unknown client learns nothing about the
    routes and costs nothing; such an answer to a request with a body closes
-   the connection (the body is never read).
-2. **Bound the body**: a ``Content-Length`` above ``agent.max_request_bytes``
+   the connection (the body is never read). The routes take the episode the
+   guard found (``request.state.session``), never the header again.
+2. **Quota per episode** (``/v1/*``): at most ``agent.session_max_in_flight``
+   completions of one episode (all its keys together; a request of ``n``
+   counts ``n``, the extra ones taken by the route) in flight, and
+   ``agent.session_rate_limit`` requests per second (a bucket holding one
+   second's worth); beyond either, 429 with ``Retry-After``, before the body
+   is read.
+3. **Bound the body**: a ``Content-Length`` above ``agent.max_request_bytes``
    gets 413 at once; a body without one is read up to the limit and then
    refused the same way.
-3. **Quota per episode** (``/v1/*``): at most ``agent.session_max_in_flight``
-   requests of one episode (all its keys together) at once and
-   ``agent.session_rate_limit`` per second (a token bucket holding one
-   second's worth); beyond either, 429 with ``Retry-After``. The body has
-   been read, so the connection stays open for the client's retry.
 4. **Contain failures**: the app's exception handlers answer every error in
-   OpenAI's shape; an exception that escapes after the answer was sent is
+   OpenAI's shape; an exception that escapes after a complete answer is
    logged here and not passed on, so the server keeps the connection (it
    would otherwise drop it under a client that sends its next request on it).
+   A stream cut short by an error ends its connection.
 
 Every refusal is counted by its code in the proxy's ``counts``
 (``rejected_<code>``), which the rollout job writes to its stats.
@@ -29,57 +33,20 @@ Every refusal is counted by its code in the proxy's ``counts``
 from __future__ import annotations
 
 import logging
-import math
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from hpcrl.agent.schema import ProxyError, error_response
 
 if TYPE_CHECKING:
-    from hpcrl.agent.proxy import AgentProxy
+    from hpcrl.agent.proxy import AgentProxy, Session
 
-__all__ = ["Guard", "Quota"]
+__all__ = ["Guard"]
 
 log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
-
-
-@dataclass
-class Quota:
-    """One episode's request budget: ``max_in_flight`` at once, ``rate`` per second (0: no cap)."""
-
-    rate: float = 0.0
-    max_in_flight: int = 0
-    in_flight: int = 0
-    tokens: float = field(default=0.0)
-    stamp: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self) -> None:
-        self.tokens = max(self.rate, 1.0)
-
-    def admit(self) -> None:
-        """Take one request, or raise the 429 that refuses it."""
-        if self.max_in_flight and self.in_flight >= self.max_in_flight:
-            raise ProxyError(429, f"this episode already has {self.in_flight} requests in flight "
-                             f"(agent.session_max_in_flight={self.max_in_flight})", "too_many_requests_in_flight",
-                             kind="rate_limit_error", headers={"retry-after": "1"})
-        if self.rate:
-            now = time.monotonic()
-            self.tokens = min(max(self.rate, 1.0), self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            if self.tokens < 1.0:
-                wait = math.ceil((1.0 - self.tokens) / self.rate)
-                raise ProxyError(429, f"this episode's requests exceed agent.session_rate_limit={self.rate:g}/s",
-                                 "rate_limit_exceeded", kind="rate_limit_error", headers={"retry-after": str(wait)})
-            self.tokens -= 1.0
-        self.in_flight += 1
-
-    def release(self) -> None:
-        self.in_flight -= 1
 
 
 class Guard:
@@ -95,37 +62,33 @@ class Guard:
         headers = dict(scope["headers"])
         has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
         try:
-            quota = self._authenticate(scope["path"], _bearer(headers))
+            session = self._authenticate(_route_path(scope), _bearer(scope["headers"]))
+            if session is not None:
+                session.quota.admit()
         except ProxyError as e:
             await self._refuse(e, scope, receive, send, close=has_body)
             return
         try:
             body = await self._read(headers, receive)
+            if session is not None:
+                scope.setdefault("state", {})["session"] = session
+            await self._contained(scope, _replay(body, receive), send)
         except ProxyError as e:
             await self._refuse(e, scope, receive, send, close=True)
-            return
         except _Disconnected:
-            return
-        try:
-            if quota is not None:
-                quota.admit()
-        except ProxyError as e:
-            await self._refuse(e, scope, receive, send)
-            return
-        try:
-            await self._contained(scope, _replay(body, receive), send)
+            pass
         finally:
-            if quota is not None:
-                quota.release()
+            if session is not None:
+                session.quota.release()
 
-    def _authenticate(self, path: str, key: str) -> Quota | None:
-        """The episode's quota for ``/v1/*``, None for other routes; raises the 401/404 that refuses the key."""
+    def _authenticate(self, path: str, key: str) -> Session | None:
+        """The episode of a ``/v1/*`` request, None for the admin API; raises the 401/404 that refuses it."""
         if path == "/admin" or path.startswith("/admin/"):
             self.proxy.check_admin(key)
             return None
         if path == "/v1" or path.startswith("/v1/"):
-            return self.proxy.session_of(key).quota
-        return None
+            return self.proxy.session_of(key)
+        raise ProxyError(404, f"not found: {path[:200]}", "not_found")
 
     async def _read(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         length = headers.get(b"content-length")
@@ -176,9 +139,20 @@ def _too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"the request body exceeds agent.max_request_bytes={limit}", "request_too_large")
 
 
-def _bearer(headers: dict[bytes, bytes]) -> str:
-    auth = headers.get(b"authorization", b"").decode("latin-1")
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str:
+    """The Bearer key of the request; "" without one; 401 for several ``Authorization`` headers (the guard and
+    the routes must never read different ones)."""
+    given = [v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"]
+    if len(given) > 1:
+        raise ProxyError(401, "send one Authorization header", "invalid_api_key")
+    auth = given[0] if given else ""
     return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: ``path`` without the ``root_path`` it is served under (as Starlette does)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

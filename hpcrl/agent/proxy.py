@@ -45,9 +45,10 @@ Admin endpoints, for agents and graders outside the rollout job; off
 Lifecycle: build one :class:`AgentProxy` per rollout job with a ``generate``
 coroutine (prompt ids, max new tokens -> a finished
 :class:`~hpcrl.rollout.engine.Completion`) and the model's
-:class:`~hpcrl.model.limits.ModelLimits`; :meth:`AgentProxy.open` gives
-each episode its own API key (a session), :meth:`AgentProxy.close` ends it
-and returns its calls.
+:class:`~hpcrl.model.limits.ModelLimits`, and serve
+:func:`hpcrl.agent.routes.build_app` of it (:func:`listen`);
+:meth:`AgentProxy.open` gives each episode its own API key (a session),
+:meth:`AgentProxy.close` ends it and returns its calls.
 
 Order of checks, each answered in OpenAI's error shape and counted by its
 code (``counts``): the key, before the body is read (401; 404 for the admin
@@ -65,22 +66,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Hashable
 
 from hpcrl.agent.config import AgentConfig
-from hpcrl.agent.guard import Guard, Quota
-from hpcrl.agent.routes import build_app
 from hpcrl.agent.schema import ProxyError, parse_tool_calls
 from hpcrl.model.limits import ModelLimits, Rejected
 from hpcrl.model.templates import PLAIN_CHAT_TEMPLATE
 from hpcrl.rollout.engine import Completion
 
-__all__ = ["AgentProxy", "Call", "ProxyError", "Session", "PLAIN_CHAT_TEMPLATE", "listen", "parse_tool_calls",
+__all__ = ["AgentProxy", "Call", "ProxyError", "Quota", "Session", "PLAIN_CHAT_TEMPLATE", "listen", "parse_tool_calls",
            "prompt_budget", "read_admin_key"]
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,46 @@ class Call:
 
 
 @dataclass
+class Quota:
+    """One episode's budget: ``max_in_flight`` completions at once (a request of ``n`` counts ``n``), ``rate``
+    requests per second (a bucket holding one second's worth); 0: no cap."""
+
+    rate: float = 0.0
+    max_in_flight: int = 0
+    in_flight: int = 0
+    tokens: float = field(default=0.0)
+    stamp: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = max(self.rate, 1.0)
+
+    def admit(self) -> None:
+        """Take one request (one completion, one second's token), or raise the 429 that refuses it."""
+        self.take(1)
+        if self.rate:
+            now = time.monotonic()
+            self.tokens = min(max(self.rate, 1.0), self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens < 1.0:
+                self.release(1)
+                wait = math.ceil((1.0 - self.tokens) / self.rate)
+                raise ProxyError(429, f"this episode's requests exceed agent.session_rate_limit={self.rate:g}/s",
+                                 "rate_limit_exceeded", kind="rate_limit_error", headers={"retry-after": str(wait)})
+            self.tokens -= 1.0
+
+    def take(self, k: int) -> None:
+        """``k`` more completions in flight, or the 429 that refuses them."""
+        if self.max_in_flight and self.in_flight + k > self.max_in_flight:
+            raise ProxyError(429, f"this episode would have {self.in_flight + k} completions in flight "
+                             f"(agent.session_max_in_flight={self.max_in_flight}; a request of n counts n)",
+                             "too_many_requests_in_flight", kind="rate_limit_error", headers={"retry-after": "1"})
+        self.in_flight += k
+
+    def release(self, k: int = 1) -> None:
+        self.in_flight -= k
+
+
+@dataclass
 class Session:
     """The calls of one episode, in the order they finished, whichever of its keys made them."""
 
@@ -117,6 +158,7 @@ class Session:
 
 
 MIN_ADMIN_KEY = 16
+WORKERS = 4  # threads for the proxy's per-request work (parse, render, tokenise, decode)
 
 
 def prompt_budget(limits: ModelLimits, max_prompt_tokens: int, max_tokens: int) -> int | None:
@@ -151,7 +193,8 @@ def read_admin_key(path: str) -> str:
 
 
 class AgentProxy:
-    """The proxy's state (sessions, the tokenizer, the engine's ``generate``, the limits) and its ASGI ``app``."""
+    """The proxy's state: sessions, the tokenizer, the engine's ``generate``, the limits. Its HTTP app is
+    :func:`hpcrl.agent.routes.build_app` of it."""
 
     def __init__(self, tokenizer, generate: Generate, *, limits: ModelLimits, cfg: AgentConfig | None = None,
                  model_name: str = "hpcrl-policy", max_tokens: int = 256, admin_key: str | None = None,
@@ -164,7 +207,7 @@ class AgentProxy:
         self.sessions: dict[str, Session] = {}
         self.counts = counts if counts is not None else Counter()  # refusals by code: rejected_<code>
         self.template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
-        self.app = Guard(build_app(self), self, self.cfg.max_request_bytes)
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="agent-proxy")
 
     # -- sessions ------------------------------------------------------------------
     def open(self, episode: Hashable) -> str:
@@ -256,11 +299,26 @@ class AgentProxy:
         return self.encode(full)
 
     # -- generation ----------------------------------------------------------------
-    async def complete(self, prompt_ids: list[int], max_tokens: int | None, stop: list[str], n: int,
-                       param: str) -> list[Call]:
-        """``n`` completions of ``prompt_ids`` (generated together), once the prompt passed :meth:`admit`."""
+    async def complete(self, session: Session, prompt_ids: list[int], max_tokens: int | None, stop: list[str],
+                       n: int, param: str) -> list[Call]:
+        """``n`` completions of ``prompt_ids`` (generated together, within the episode's quota), once the prompt
+        passed :meth:`admit`; each cut after its first stop string."""
         max_new = self.admit(prompt_ids, max_tokens, param)
-        return list(await asyncio.gather(*(self._complete(prompt_ids, max_new, stop) for _ in range(n))))
+        session.quota.take(n - 1)  # the request itself holds one
+        try:
+            done = await asyncio.gather(*(self.generate(prompt_ids, max_new) for _ in range(n)))
+        finally:
+            session.quota.release(n - 1)
+        return await self.offload(lambda: [self._call(prompt_ids, c, stop) for c in done])
+
+    async def offload(self, fn: Callable, *args):
+        """``fn(*args)`` on the proxy's worker threads: parsing, rendering, tokenising and decoding never hold
+        the event loop that serves every session (nor the default executor the engine's callers use)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (the proxy's server is stopped already)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def admit(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """The tokens to generate for ``prompt_ids``, or the 400 that refuses it: an empty prompt, a token id
@@ -278,8 +336,7 @@ class AgentProxy:
             raise ProxyError(400, e.message, e.code, e.param) from None
         return max_new
 
-    async def _complete(self, prompt_ids: list[int], max_new: int, stop: list[str]) -> Call:
-        c = await self.generate(prompt_ids, max_new)
+    def _call(self, prompt_ids: list[int], c: Completion, stop: list[str]) -> Call:
         out, logprobs, versions, reason = list(c.output_ids), list(c.logprobs), list(c.versions), c.finish_reason
         if stop:
             cut = self._stop_at(out, stop)

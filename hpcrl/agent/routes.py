@@ -1,18 +1,17 @@
 """The agent proxy's HTTP routes: chat, completions and admin routers over one :class:`AgentProxy`.
 
-:func:`build_app` assembles the FastAPI app the proxy wraps in its
-:class:`~hpcrl.agent.guard.Guard`; by the time a route runs, the guard has
+:func:`build_app` assembles the FastAPI app of one proxy behind its
+:class:`~hpcrl.agent.guard.Guard` (what uvicorn serves); by the time a route runs, the guard has
 checked the key and the body's size. A route validates the body against the
-typed models of :mod:`hpcrl.agent.schema` (400 naming the field), renders
-and tokenises on a worker thread (a large request never stalls the event
-loop that serves every other session), checks the prompt against the
+typed models of :mod:`hpcrl.agent.schema` (400 naming the field), renders,
+tokenises and later decodes on the proxy's worker threads (a large request
+never stalls the event loop that serves every other session), checks the prompt against the
 model's limits (:meth:`AgentProxy.admit`) and only then asks the engine.
 Every error leaves in OpenAI's shape and is counted by its code.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -23,20 +22,27 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpcrl.agent.guard import Guard
 from hpcrl.agent.schema import (ChatBody, CompletionBody, ParentBody, ProxyError, RewardBody, error_response,
                                 normalise, parse_tool_calls)
 
 if TYPE_CHECKING:
-    from hpcrl.agent.proxy import AgentProxy, Call
+    from hpcrl.agent.proxy import AgentProxy, Call, Session
 
 __all__ = ["build_app"]
 
 log = logging.getLogger(__name__)
 
 
-def build_app(proxy: AgentProxy) -> FastAPI:
+def build_app(proxy: AgentProxy) -> Guard:
+    """The proxy's ASGI app: the routers below behind the :class:`~hpcrl.agent.guard.Guard`."""
+    return Guard(_routes(proxy), proxy, proxy.cfg.max_request_bytes)
+
+
+def _routes(proxy: AgentProxy) -> FastAPI:
     app = FastAPI(title="hpcrl agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ProxyError)
@@ -109,28 +115,25 @@ def completions_router(proxy: AgentProxy) -> APIRouter:
 
     @router.get("/models")
     async def models(request: Request) -> dict:
-        proxy.session_of(_key(request))
+        _session(proxy, request)
         return {"object": "list", "data": [{"id": proxy.model_name, "object": "model", "created": 0,
                                              "owned_by": "hpcrl"}]}
 
     @router.post("/completions")
-    async def completions(body: CompletionBody, request: Request):
-        session = proxy.session_of(_key(request))
+    async def completions(request: Request):
+        session = _session(proxy, request)
+        body = await _parse(proxy, request, CompletionBody)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ProxyError(400, "one prompt per request", "invalid_request", "prompt")
             prompt = prompt[0]
-        ids = await asyncio.to_thread(proxy.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await proxy.offload(proxy.encode, prompt) if isinstance(prompt, str) else list(prompt)
         stop = body.stops()
-        calls = await proxy.complete(ids, body.max_tokens, stop, body.n, "prompt")
+        calls = await proxy.complete(session, ids, body.max_tokens, stop, body.n, "prompt")
+        out = await proxy.offload(_completion_reply, proxy, body, ids, calls, stop)
         session.calls.extend(calls)
-        choices = [{"index": i, "text": proxy.text(c.output_ids, stop), "finish_reason": c.finish_reason,
-                    "logprobs": proxy.completion_logprobs(c) if body.logprobs is not None else None}
-                   for i, c in enumerate(calls)]
-        out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-               "model": proxy.model_name, "choices": choices, "usage": _usage(ids, calls)}
-        return _sse([{**out, "choices": [ch]} for ch in choices]) if body.stream else out
+        return _sse([{**out, "choices": [ch]} for ch in out["choices"]]) if body.stream else out
 
     return router
 
@@ -140,35 +143,67 @@ def chat_router(proxy: AgentProxy) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.post("/chat/completions")
-    async def chat(body: ChatBody, request: Request):
-        session = proxy.session_of(_key(request))
-        messages = [normalise(m) for m in body.message_dicts()]
-        tools = body.tool_dicts()
-        ids = await asyncio.to_thread(proxy.chat_prompt, session, messages, tools)
+    async def chat(request: Request):
+        session = _session(proxy, request)
+        body = await _parse(proxy, request, ChatBody)
+
+        def prompt() -> tuple[list[dict], list[dict] | None, list[int]]:
+            messages, tools = [normalise(m) for m in body.message_dicts()], body.tool_dicts()
+            return messages, tools, proxy.chat_prompt(session, messages, tools)
+
+        messages, tools, ids = await proxy.offload(prompt)
         stop = body.stops()
-        calls = await proxy.complete(ids, body.max_completion_tokens or body.max_tokens, stop, body.n, "messages")
-        choices = []
-        for i, call in enumerate(calls):
-            text = proxy.text(call.output_ids, stop)
-            content, tool_calls = parse_tool_calls(text) if tools else (text, [])
-            reply = {"role": "assistant", "content": content or None}
-            if tool_calls:
-                reply["tool_calls"] = tool_calls
-                call.finish_reason = "tool_calls" if call.finish_reason == "stop" else call.finish_reason
-            call.messages, call.reply = messages, normalise(reply)
-            choices.append({"index": i, "message": reply, "finish_reason": call.finish_reason,
-                            "logprobs": {"content": proxy.token_logprobs(call)} if body.logprobs else None})
+        calls = await proxy.complete(session, ids, body.max_completion_tokens or body.max_tokens, stop, body.n,
+                                     "messages")
+        out = await proxy.offload(_chat_reply, proxy, body, messages, tools, ids, calls, stop)
         session.calls.extend(calls)
-        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-               "model": proxy.model_name, "choices": choices, "usage": _usage(ids, calls)}
         return _chat_stream(out) if body.stream else out
 
     return router
 
 
-def _key(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+def _session(proxy: AgentProxy, request: Request) -> Session:
+    """The episode the guard authenticated this request for (an episode ended meanwhile: 401)."""
+    session = getattr(request.state, "session", None)
+    if session is None or session.key not in proxy.sessions:
+        raise ProxyError(401, "no open episode has this API key", "invalid_api_key")
+    return session
+
+
+async def _parse(proxy: AgentProxy, request: Request, model: type[BaseModel]):
+    """The body validated against ``model`` on a worker thread; a 400 naming the field otherwise."""
+    raw = await request.body()
+    try:
+        return await proxy.offload(model.model_validate_json, raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+
+
+def _completion_reply(proxy: AgentProxy, body: CompletionBody, ids: list[int], calls: list[Call],
+                      stop: list[str]) -> dict:
+    choices = [{"index": i, "text": proxy.text(c.output_ids, stop), "finish_reason": c.finish_reason,
+                "logprobs": proxy.completion_logprobs(c) if body.logprobs is not None else None}
+               for i, c in enumerate(calls)]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": proxy.model_name, "choices": choices, "usage": _usage(ids, calls)}
+
+
+def _chat_reply(proxy: AgentProxy, body: ChatBody, messages: list[dict], tools: list[dict] | None,
+                ids: list[int], calls: list[Call], stop: list[str]) -> dict:
+    """The chat completion; each call learns the messages it answered and the reply it gave."""
+    choices = []
+    for i, call in enumerate(calls):
+        text = proxy.text(call.output_ids, stop)
+        content, tool_calls = parse_tool_calls(text) if tools else (text, [])
+        reply = {"role": "assistant", "content": content or None}
+        if tool_calls:
+            reply["tool_calls"] = tool_calls
+            call.finish_reason = "tool_calls" if call.finish_reason == "stop" else call.finish_reason
+        call.messages, call.reply = messages, normalise(reply)
+        choices.append({"index": i, "message": reply, "finish_reason": call.finish_reason,
+                        "logprobs": {"content": proxy.token_logprobs(call)} if body.logprobs else None})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": proxy.model_name, "choices": choices, "usage": _usage(ids, calls)}
 
 
 def _usage(prompt_ids: list[int], calls: list[Call]) -> dict:

@@ -45,6 +45,7 @@ from typing import Any, Awaitable, Callable
 from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.export import Exported, concat, individual
 from hpcrl.agent.proxy import AgentProxy, Call, ProxyError, listen, read_admin_key
+from hpcrl.agent.routes import build_app
 from hpcrl.data.rows import Row
 from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.runner import RewardResult, load_function, to_reward
@@ -92,7 +93,7 @@ class AgentEpisodes:
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
         self._thread.start()
         self._server, self._serving, port = asyncio.run_coroutine_threadsafe(
-            listen(self.proxy.app, cfg.host, cfg.port), self.loop).result()
+            listen(build_app(self.proxy), cfg.host, cfg.port), self.loop).result()
         self.base_url = f"http://{advertised_host(cfg.host)}:{port}/v1"
         self._limit = asyncio.run_coroutine_threadsafe(self._semaphore(), self.loop).result()
         log.info("agent proxy listening on %s (fn %s)", self.base_url, getattr(fn, "__qualname__", fn))
@@ -163,6 +164,7 @@ class AgentEpisodes:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            self.proxy.shutdown()
 
     # -- on the loop -------------------------------------------------------------------
     async def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:

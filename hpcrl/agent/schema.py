@@ -19,7 +19,7 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
@@ -149,7 +149,7 @@ class _Body(_Open):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[StrictInt] | list[str]  # token ids are JSON integers: no bools, floats or strings
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -160,6 +160,15 @@ class ChatBody(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _named_tool_is_offered(self) -> ChatBody:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            offered = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in offered:
+                raise ValueError(f"tool_choice: names {self.tool_choice.function.name!r}, not one of the tools "
+                                 f"offered {offered}")
+        return self
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages with their declared fields only (a field another role has, such as ``tool_calls`` on a

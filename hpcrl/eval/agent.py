@@ -7,7 +7,8 @@ whose completions are greedy, and the accuracy is the mean of the rewards
 it returns (an episode that raises, runs past ``agent.timeout_s`` or returns
 no number scores 0, as in training). The result's metrics add
 ``eval/calls_per_episode`` and ``eval/episodes_failed`` (the fraction that
-raised, timed out, returned no number or made no call). An agent that takes several turns or
+raised, timed out, returned no number or made no call) and ``eval/requests_refused`` (the calls the proxy
+refused: malformed, too long, over the quota). An agent that takes several turns or
 calls tools is measured doing that, which one completion of its first
 prompt cannot show.
 
@@ -38,6 +39,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from hpcrl.agent.config import AgentConfig
 from hpcrl.agent.proxy import AgentProxy, ProxyError, listen
+from hpcrl.agent.routes import build_app
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import N_EXAMPLES, EvalResult, left_pad
 from hpcrl.model.limits import ModelLimits
@@ -55,6 +57,7 @@ class _GreedyBatches:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int,
                  after_batch: Callable[[], None]) -> None:
         self.model, self.tokenizer, self.batch_size, self.after_batch = model, tokenizer, batch_size, after_batch
+        self.context = ModelLimits.of_config(model.config).context
         self.queue: list[tuple[list[int], int, asyncio.Future]] = []
         self.wake = asyncio.Event()
         self.calls = self.batches = 0
@@ -71,7 +74,7 @@ class _GreedyBatches:
             self.wake.clear()
             await asyncio.sleep(0.005)  # calls sent together arrive over a few loop turns
             while self.queue:
-                batch, self.queue = self.queue[:self.batch_size], self.queue[self.batch_size:]
+                batch, self.queue = self._next_batch()
                 try:
                     outs = await asyncio.to_thread(self._generate, [(p, n) for p, n, _ in batch])
                 except Exception as e:  # noqa: BLE001 - the batch's calls fail (500), the evaluation goes on
@@ -88,6 +91,21 @@ class _GreedyBatches:
                 self.calls += len(batch)
                 self.batches += 1
                 self.after_batch()
+
+    def _next_batch(self) -> tuple[list, list]:
+        """The next batch, in queue order, of calls that fit the context together (the longest prompt plus the
+        most tokens any of them asks for: left padding costs no position, a batch generates that many); the
+        calls that do not fit wait for a later batch."""
+        batch, rest, longest, most = [], [], 0, 0
+        for item in self.queue:
+            prompt, n, _ = item
+            fits = self.context is None or max(longest, len(prompt)) + max(most, n) <= self.context
+            if len(batch) < self.batch_size and (fits or not batch):
+                batch.append(item)
+                longest, most = max(longest, len(prompt)), max(most, n)
+            else:
+                rest.append(item)
+        return batch, rest
 
     def _generate(self, batch: list[tuple[list[int], int]]) -> list[Completion]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -140,7 +158,7 @@ async def _evaluate(model, tokenizer, rows: list[Row], fn: Callable, max_new_tok
     batches = _GreedyBatches(model, tokenizer, batch_size, lambda: after_batch and after_batch(finished))
     proxy = AgentProxy(tokenizer, batches.generate, limits=ModelLimits.of_config(model.config), cfg=cfg,
                        max_tokens=max_new_tokens)
-    server, serving, port = await listen(proxy.app, "127.0.0.1", 0)
+    server, serving, port = await listen(build_app(proxy), "127.0.0.1", 0)
     base_url = f"http://127.0.0.1:{port}/v1"
     limit = asyncio.Semaphore(concurrency)
     scores: list[float] = [0.0] * len(rows)
@@ -183,6 +201,7 @@ async def _evaluate(model, tokenizer, rows: list[Row], fn: Callable, max_new_tok
         generating.cancel()
         server.should_exit = True
         await serving
+        proxy.shutdown()
     if statuses.get("ok", 0) < len(rows):
         log.warning("agent evaluation: episodes by status %s", statuses)
     log.debug("agent evaluation: %d calls in %d batches", batches.calls, batches.batches)
@@ -190,4 +209,5 @@ async def _evaluate(model, tokenizer, rows: list[Row], fn: Callable, max_new_tok
     failed = len(rows) - statuses.get("ok", 0)
     return EvalResult(accuracy=sum(scores) / len(rows), n=len(rows), examples=examples,
                       metrics={"eval/calls_per_episode": sum(calls_made) / len(rows),
-                               "eval/episodes_failed": failed / len(rows)})
+                               "eval/episodes_failed": failed / len(rows),
+                               "eval/requests_refused": sum(proxy.counts.values())})
