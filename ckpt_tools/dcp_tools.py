@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpcrl import atomic
 from hpcrl.ckpt import store
-from hpcrl.ckpt.export import to_hf  # noqa: F401  (python -m ckpt_tools to-hf)
+from hpcrl.trainer.export import to_hf  # noqa: F401  (python -m ckpt_tools to-hf)
 
 
 def is_dcp(path: Path) -> bool:

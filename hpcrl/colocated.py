@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import atomic
-from hpcrl.ckpt.trainer_ckpt import Checkpointer
+from hpcrl.trainer.checkpoint import Checkpointer
 from hpcrl.config import config_hash, load_saved
 from hpcrl.runtime.dist import init_from_env
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.owner import Fence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted
 from hpcrl.runtime.logs import setup_logging
-from hpcrl.prepare import load_prepared
+from hpcrl.prepared import load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.rollout.main import build_worker, write_stats
 from hpcrl.trainer.engine import build_train_engine

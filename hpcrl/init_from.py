@@ -33,7 +33,7 @@ before any component starts:
    parts to load (``load``), the scheduler state only when asked, no RNG
    states or counters, and where it came from (``from``). The trainer
    resumes from it as from any checkpoint
-   (:meth:`hpcrl.ckpt.trainer_ckpt.Checkpointer.restore`).
+   (:meth:`hpcrl.trainer.checkpoint.Checkpointer.restore`).
 4. With ``data``, ``admission/meta.json`` gets the ``offset``
    (:class:`hpcrl.admission.ledger.AdmissionLedger`).
 """
@@ -56,9 +56,9 @@ log = logging.getLogger(__name__)
 
 
 def _export():
-    """:mod:`hpcrl.ckpt.export`, imported where a checkpoint's tensors are read (torch), so that the light
+    """:mod:`hpcrl.trainer.export`, imported where a checkpoint's tensors are read (torch), so that the light
     commands that check a source (``--dry-run --from``) stay light."""
-    from hpcrl.ckpt import export
+    from hpcrl.trainer import export
 
     return export
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -103,7 +103,7 @@ def report(run_dir: Path, window: int, tool: bool = False) -> dict:
     tok = None
     if tool:
         from hpcrl.model.hf_io import load_tokenizer
-        from hpcrl.prepare import load_prepared
+        from hpcrl.prepared import load_prepared
 
         tok = load_tokenizer(load_prepared(run_dir).base_model)
     return {"eval": evals, "first_window": window_stats(early, tok), "last_window": window_stats(late, tok),

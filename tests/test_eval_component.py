@@ -50,7 +50,8 @@ def published_accuracy(run_dir: Path, version: int) -> float:
 
     from hpcrl.eval.accuracy import greedy_accuracy
     from hpcrl.model.hf_io import load_model, load_tokenizer
-    from hpcrl.prepare import load_datasets, load_prepared, scorer
+    from hpcrl.eval.measure import scorer
+    from hpcrl.prepared import load_datasets, load_prepared
     from hpcrl.reward.runner import RewardRunner
 
     cfg, prep = load_saved(run_dir), load_prepared(run_dir)
@@ -130,7 +131,8 @@ def test_a_resume_with_evaluation_in_the_trainer_evaluates_what_the_component_le
     """eval.* may change on --resume: snapshots a component never got to are evaluated by the trainer."""
     from hpcrl.eval.config import EvalConfig
     from hpcrl.model.hf_io import load_tokenizer
-    from hpcrl.prepare import held_out, load_datasets, load_prepared
+    from hpcrl.eval.measure import held_out
+    from hpcrl.prepared import load_datasets, load_prepared
     from hpcrl.reward.runner import RewardRunner
     from hpcrl.trainer.report import Reporter
 

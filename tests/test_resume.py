@@ -34,7 +34,7 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.config import load_config, load_saved, save
 from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.runtime.dist import free_port
-from hpcrl.prepare import Prepared, load_prepared
+from hpcrl.prepared import Prepared, load_prepared
 from hpcrl import atomic
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
@@ -420,7 +420,7 @@ def test_a_megatron_trainer_resumes_bit_identically(tmp_path, assets, parallel, 
     assert tools(["to-hf", str(tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}"), str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(exported[k], a[k]) for k in exported)
-    from hpcrl.ckpt.trainer_ckpt import layout_mismatch  # another engine's checkpoint is refused, naming why
+    from hpcrl.trainer.checkpoint import layout_mismatch  # another engine's checkpoint is refused, naming why
 
     assert re.search(r"does not hold 1 of this trainer's 1 weights.*another trainer engine", layout_mismatch(
         tmp_path / "a" / "ckpt" / f"step_{STEPS:06d}", {"model": {"model.norm.weight": 0}}))

@@ -36,7 +36,8 @@ import torch
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.eval.snapshots import EvalLog, Snapshot, Snapshots
 from hpcrl.model.hf_io import load_model, load_tokenizer
-from hpcrl.prepare import held_out, load_datasets, load_prepared
+from hpcrl.eval.measure import held_out
+from hpcrl.prepared import load_datasets, load_prepared
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.runtime.device import detect
 from hpcrl.runtime.heartbeat import Heartbeat

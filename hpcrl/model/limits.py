@@ -7,7 +7,7 @@ inside a decode step that serves other requests too:
 - the agent proxy (:mod:`hpcrl.agent.proxy`): a 400 for that request alone;
 - the embedded engine's ``submit`` (:class:`~hpcrl.rollout.torch_engine.TorchEngine`),
   the last line for any caller;
-- the dataset loader (:func:`hpcrl.prepare.load_datasets`): a prompt too long
+- the dataset loader (:func:`hpcrl.prepared.load_datasets`): a prompt too long
   for the context is a bad row (``path:line: why``), before any rollout or
   evaluation sees it.
 

@@ -39,7 +39,7 @@ from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
-from hpcrl.prepare import Prepared, load_datasets, load_prepared
+from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.runner import RewardRunner

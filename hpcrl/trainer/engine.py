@@ -4,7 +4,7 @@ One seam for every training backend: FSDP2 (:mod:`hpcrl.trainer.fsdp`) and
 megatron-core (:mod:`hpcrl.trainer.mcore.engine`, tensor x pipeline x data parallel).
 Both share the algorithm of a step (:class:`hpcrl.trainer.policy.PolicyTrainer`). The trainer loop
 (:func:`hpcrl.trainer.main.train_loop`), the checkpointer
-(:class:`hpcrl.ckpt.trainer_ckpt.Checkpointer`), colocated mode and the
+(:class:`hpcrl.trainer.checkpoint.Checkpointer`), colocated mode and the
 weight transports use an engine only through :class:`TrainEngine`; none of
 them touches a model, an optimizer or a process-group layout.
 

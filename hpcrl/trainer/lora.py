@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from hpcrl.model.lora import ADAPTER, merged_weight
 from hpcrl.trainer.config import LoraSettings
 
-__all__ = ["apply_lora", "merge_lora", "merged_weight", "unload_merged"]
+__all__ = ["ADAPTER", "apply_lora", "merge_lora", "merged_weight", "unload_merged"]
 
-ADAPTER = "default"  # PEFT's adapter name
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> dict[str, float]:
@@ -90,11 +90,6 @@ def merge_lora(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> di
                                    state[f"{prefix}.lora_B.{ADAPTER}.weight"], scalings[prefix])
         out[f"{prefix}.{leaf}"] = tensor
     return out
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``base + scaling * b @ a`` computed in float32, in ``base``'s dtype."""
-    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
 
 
 def unload_merged(model: torch.nn.Module, scalings: dict[str, float]) -> torch.nn.Module:

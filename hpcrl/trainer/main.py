@@ -40,7 +40,7 @@ import torch.distributed as dist
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.trainer.reconcile import reconcile
-from hpcrl.ckpt.trainer_ckpt import Checkpointer
+from hpcrl.trainer.checkpoint import Checkpointer
 from hpcrl.config import RunConfig, config_hash, load_saved
 from hpcrl.runtime.dist import DistContext, init_from_env
 from hpcrl.runtime.device import of as device_of
@@ -48,7 +48,8 @@ from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
-from hpcrl.prepare import Prepared, held_out, load_datasets, load_prepared
+from hpcrl.eval.measure import held_out
+from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.reward.runner import RewardRunner
 from hpcrl.spool.format import TrajectoryGroup

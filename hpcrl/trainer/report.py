@@ -70,7 +70,7 @@ class Reporter:
     def __init__(self, log_dir, eval_cfg: EvalConfig, total_steps: int, *, model_path: str, eval_rows: list[Row],
                  measure: Callable[..., EvalResult], instance: str = "",
                  fence: Fence | NoFence | None = None) -> None:
-        """``measure(model, rows)``: the run's held-out accuracy (:func:`hpcrl.prepare.held_out`)."""
+        """``measure(model, rows)``: the run's held-out accuracy (:func:`hpcrl.eval.measure.held_out`)."""
         self.writer = MetricsWriter(log_dir)
         self.cfg, self.total_steps = eval_cfg, total_steps
         component = eval_cfg.mode == "component"

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl import atomic
-from hpcrl.trainer.lora import ADAPTER, merged_weight
+from hpcrl.model.lora import ADAPTER, merged_weight
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
