@@ -35,6 +35,7 @@ from hpcrl.launch.config import LaunchConfig
 from hpcrl.model.config import ModelConfig
 from hpcrl.reward.config import RewardConfig
 from hpcrl.rollout.config import RolloutConfig
+from hpcrl.rollout.registry import engine_spec
 from hpcrl.sft.config import SFTConfig
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.watchdog.config import WatchdogConfig
@@ -81,11 +82,8 @@ class RunConfig:
                               "published on disk, where a server loads them from)"),
                              (bool(self.init.checkpoint), "init.checkpoint (--from: this run's initial model holds "
                               "the source's adapters merged, and the adapters would be applied twice)"),
-                             (self.rollout.engine == "vllm" and self.trainer.lora.rank > 512,
-                              f"trainer.lora.rank={self.trainer.lora.rank} and rollout.engine=vllm (vLLM serves "
-                              "adapters up to rank 512)"),
-                             (self.rollout.engine == "sglang", "rollout.engine=sglang (hpcrl loads adapters into "
-                              "vLLM servers and the torch engine)"),
+                             (engine_spec(self.rollout.engine).adapters(self.trainer.lora.rank) is not None,
+                              engine_spec(self.rollout.engine).adapters(self.trainer.lora.rank)),
                              (self.launch.mode == "colocated", "launch.mode=colocated (its engine takes the whole "
                               "policy in memory)")):
                 if bad:

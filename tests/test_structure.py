@@ -1,8 +1,8 @@
 """The package structure: no import cycles between the parts of hpcrl, read from the source.
 
 A part is a subpackage (``hpcrl/rollout/``), a top-level module (``hpcrl/prepare.py``), or the
-configuration layer (``hpcrl/config.py`` and every ``*/config.py``: the typed dataclasses the root config
-composes). The entry points of the component processes (``*/main.py``, ``*/__main__.py``,
+configuration layer (``hpcrl/config.py``, every ``*/config.py``: the typed dataclasses the root config
+composes, and every ``*/registry.py``: the choices they validate against). The entry points of the component processes (``*/main.py``, ``*/__main__.py``,
 ``hpcrl/colocated.py``) are the composition roots: they wire the parts together (the rollout job's picks
 the agent's episode runner when ``agent.fn`` is set) and may import any part, and no part imports them.
 Every import counts, those inside functions and under ``TYPE_CHECKING`` too: a dependency is a dependency
@@ -35,7 +35,7 @@ def part_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "hpcrl" or len(parts) < 2 or is_entry(module):
         return None
-    if parts[-1] == "config":
+    if parts[-1] in ("config", "registry"):
         return "config"
     return parts[1]
 

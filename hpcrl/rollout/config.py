@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hpcrl.rollout.registry import engine_spec
+
 
 @dataclass
 class RolloutConfig:
-    # the inference engine: torch = embedded in the rollout process (tiny models, CPU tests); vllm / sglang = a server
-    # the rollout job starts on its node(s) and drives over HTTP (docs/engine.md)
-    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    # the inference engine (hpcrl/rollout/registry.py): torch = embedded in the rollout process (tiny models, CPU
+    # tests); vllm / sglang = a server the rollout job starts on its node(s) and drives over HTTP (docs/engine.md);
+    # or "module:attr" of an EngineSpec of your own
+    engine: str = "torch"
     # vllm/sglang: drive this running server instead of starting one ("" = start one); it must serve the initial
     # policy and no one else (the rollout pauses and reloads it), so replicas must be 1
     server_url: str = ""
@@ -43,6 +46,7 @@ class RolloutConfig:
     kv_on_update: Literal["recompute", "keep"] = "recompute"
 
     def __post_init__(self) -> None:
+        engine_spec(self.engine).check(self)  # the engine's own checks (kv_on_update, server_update)
         for name in ("replicas", "group_size", "max_batch_size", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -53,9 +57,6 @@ class RolloutConfig:
                              f"got {self.admit_min_free}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
-        if self.engine != "torch" and self.kv_on_update == "keep":
-            raise ValueError(f"kv_on_update: 'keep' needs rollout.engine=torch (a {self.engine} server recomputes "
-                             "the prefix of every interrupted request); use 'recompute'")
         if not 0 <= self.server_port < 65536:
             raise ValueError(f"server_port: must be in [0, 65535], got {self.server_port}")
         if self.tensor_parallel_size < 0:
@@ -63,9 +64,6 @@ class RolloutConfig:
         for name in ("server_start_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.server_update == "group" and self.engine != "sglang":
-            raise ValueError(f"server_update: 'group' needs rollout.engine=sglang (with {self.engine!r} a version "
-                             "held in memory is staged: vLLM's transfer engines need CUDA on both sides); use 'stage'")
         if self.server_url and self.replicas > 1:
             raise ValueError(f"server_url: one server per rollout replica (each one pauses and reloads it), but "
                              f"replicas={self.replicas}; leave server_url empty to start one server per replica")

@@ -1,9 +1,11 @@
-"""Build the inference engine that ``rollout.engine`` names.
+"""Build the inference engine that ``rollout.engine`` names: its
+:class:`~hpcrl.rollout.registry.EngineSpec` says which builder below (or of its own) makes it.
 
-- ``torch``: :class:`~hpcrl.rollout.torch_engine.TorchEngine` on the model in
-  this process.
-- ``vllm`` / ``sglang``: a :class:`~hpcrl.rollout.remote_engine.RemoteEngine`
-  driving a server. Unless ``rollout.server_url`` names a running one, the
+- ``torch`` (:func:`build_torch`): :class:`~hpcrl.rollout.torch_engine.TorchEngine`
+  on the model in this process.
+- ``vllm`` / ``sglang`` (:func:`build_server`): a
+  :class:`~hpcrl.rollout.remote_engine.RemoteEngine` driving a server whose
+  wire format and command the spec's backend gives. Unless ``rollout.server_url`` names a running one, the
   server is started here as a child of the rollout job
   (:class:`~hpcrl.rollout.server.ServerProcess`), on ``server_host`` and a
   free port, with tensor parallelism over the job's GPUs, its log in
@@ -28,6 +30,7 @@ from typing import Callable
 
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine, SamplingParams
+from hpcrl.rollout.registry import engine_spec, resolve
 
 
 @dataclass
@@ -44,40 +47,44 @@ class EngineSite:
 
 
 def build_engine(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-    if cfg.engine == "torch":
-        from hpcrl.model.hf_io import load_model
-        from hpcrl.rollout.torch_engine import TorchEngine
-
-        return TorchEngine(model if model is not None else load_model(site.model_path, site.dtype),
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                           max_batch_size=cfg.max_batch_size, sampling=sampling, seed=seed,
-                           min_admit=cfg.admit_min_free or cfg.group_size,
-                           keep_cache_on_update=cfg.kv_on_update == "keep")
-    return _remote(cfg, site, sampling)
+    """The engine ``rollout.engine`` names (:mod:`hpcrl.rollout.registry`), built by its spec."""
+    spec = engine_spec(cfg.engine)
+    return resolve(spec.build, "rollout.engine")(cfg, site, seed=seed, tokenizer=tokenizer, model=model)
 
 
-def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> InferenceEngine:
+def sampling_of(cfg: RolloutConfig) -> SamplingParams:
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+
+
+def build_torch(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
+    """The embedded engine, on ``model`` (colocated mode) or the initial policy loaded here."""
+    from hpcrl.model.hf_io import load_model
+    from hpcrl.rollout.torch_engine import TorchEngine
+
+    return TorchEngine(model if model is not None else load_model(site.model_path, site.dtype),
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       max_batch_size=cfg.max_batch_size, sampling=sampling_of(cfg), seed=seed,
+                       min_admit=cfg.admit_min_free or cfg.group_size,
+                       keep_cache_on_update=cfg.kv_on_update == "keep")
+
+
+def build_server(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
+    """A :class:`~hpcrl.rollout.remote_engine.RemoteEngine` over the server the spec's backend speaks to: started
+    here (its command from the backend) unless ``rollout.server_url`` names a running one."""
     from hpcrl.rollout.remote_engine import RemoteEngine
     from hpcrl.rollout.server import ServerProcess
     from hpcrl.runtime.net import free_port
 
+    backend = resolve(engine_spec(cfg.engine).backend, "rollout.engine")()
     staging = _staging_dir(Path(cfg.staging_dir or _node_local()), site.name)
     staging.mkdir(parents=True, exist_ok=True)
-    if cfg.engine == "vllm":
-        from hpcrl.rollout import vllm_engine as backend_mod
-        backend = backend_mod.VLLMBackend()
-    else:
-        from hpcrl.rollout import sglang_engine as backend_mod
-        backend = backend_mod.SGLangBackend()
     server, url = None, cfg.server_url
     tp = cfg.tensor_parallel_size or (1 if url else max(site.gpus, 1))
     if not url:
         port = cfg.server_port or free_port(cfg.server_host)
-        argv, env = backend_mod.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
-                                               tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
-                                               staging=staging, launcher=cfg.server_launcher,
-                                               lora_rank=site.lora_rank)
+        argv, env = backend.server_command(site.model_path, host=cfg.server_host, port=port, dtype=site.dtype,
+                                           tensor_parallel_size=tp, extra=cfg.server_args, gpu=site.gpus > 0,
+                                           staging=staging, launcher=cfg.server_launcher, lora_rank=site.lora_rank)
         url = f"http://{cfg.server_host}:{port}"
         server = ServerProcess(argv, health_url=url + backend.health_path, env=env,
                                log_path=site.log_dir / f"{site.name}-server.log",
@@ -91,7 +98,7 @@ def _remote(cfg: RolloutConfig, site: EngineSite, sampling: SamplingParams) -> I
             local = not cfg.server_url and cfg.server_host in ("127.0.0.1", "localhost", "::1")
             address = "127.0.0.1" if local else socket.getfqdn()
             group = UpdateGroup(address, 1 + tp, name=f"hpcrl-{site.name}", timeout_s=cfg.server_start_timeout_s)
-        engine = RemoteEngine(backend, url, sampling=sampling, staging_dir=staging, server=server,
+        engine = RemoteEngine(backend, url, sampling=sampling_of(cfg), staging_dir=staging, server=server,
                               request_timeout_s=cfg.request_timeout_s, coalesce=cfg.coalesce, update_group=group)
     except BaseException:
         if server is not None:

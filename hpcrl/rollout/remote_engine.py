@@ -91,6 +91,14 @@ class ServerBackend(Protocol):
 
     health_path: str  # GET it: 200 once the server can generate
 
+    @staticmethod
+    def server_command(model_path: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
+                       extra: list[str], gpu: bool, staging: Path, launcher: list[str] = (),
+                       lora_rank: int = 0) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of a server for ``model_path`` (``launcher``: the command before its arguments;
+        ``lora_rank`` > 0: published versions are LoRA adapters of that rank)."""
+        ...
+
     async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
         """Once, before the first request (e.g. learn the served model's name)."""
         ...

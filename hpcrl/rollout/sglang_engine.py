@@ -83,6 +83,7 @@ class SGLangBackend:
     """SGLang's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
 
     health_path = "/health"
+    server_command = staticmethod(server_command)  # the command that starts one
 
     async def prepare(self, http: aiohttp.ClientSession, url: str) -> None:
         """Check that the server speaks SGLang's API (``/get_model_info`` exists in every 0.5.x)."""

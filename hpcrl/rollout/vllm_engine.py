@@ -145,6 +145,7 @@ class VLLMBackend:
     """vLLM's wire format for :class:`~hpcrl.rollout.remote_engine.RemoteEngine`."""
 
     health_path = "/health"
+    server_command = staticmethod(server_command)  # the command that starts one
 
     def __init__(self, model: str = "policy") -> None:
         self.model = model

@@ -1,0 +1,117 @@
+"""The rollout-engine registry: the one place that maps ``rollout.engine`` to an implementation.
+
+An :class:`EngineSpec` says how to build an engine and what the config may ask
+of it; :data:`ENGINES` holds the built-in ones (``torch``, ``vllm``,
+``sglang``), and :func:`register_engine` adds another. The config takes its
+choices, its error message and each engine's own checks from here
+(:meth:`EngineSpec.check`), and :func:`hpcrl.rollout.engines.build_engine`
+builds what the spec names, so a new engine is one module and one
+registration.
+
+An engine outside hpcrl is named by import path in the config,
+``rollout.engine: my_pkg.engines:SPEC``, where ``SPEC`` is an
+:class:`EngineSpec`: the module is imported (and the spec registered under that
+name) when the config is validated, in every process that loads it, so keep
+such a module light (import torch inside ``build``).
+
+This module is light (no torch): the config layer imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.config import RolloutConfig
+
+__all__ = ["ENGINES", "EngineSpec", "engine_spec", "register_engine", "resolve"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    # (cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model) -> InferenceEngine, or its
+    # "module:function" (imported when an engine is built, so that the config stays light)
+    build: str | Callable[..., Any]
+    # a server the rollout job drives: every interrupted request is recomputed (no rollout.kv_on_update=keep)
+    server: bool = False
+    # "module:Class" of its wire format (a ServerBackend), for the server engines built by build_server
+    backend: str = ""
+    # receives in-memory versions over its own weight-update group (rollout.server_update=group)
+    update_group: bool = False
+    # LoRA adapters it loads when versions are published alone (trainer.lora.publish=adapter): None = any rank,
+    # 0 = none
+    max_adapter_rank: int | None = None
+    title: str = ""  # how messages name it ("vLLM"); the name when empty
+
+    def check(self, cfg: RolloutConfig) -> None:
+        """The engine's own checks of the rollout config; ValueError names the key."""
+        if self.server and cfg.kv_on_update == "keep":
+            raise ValueError(f"kv_on_update: 'keep' needs an embedded engine such as rollout.engine=torch (a "
+                             f"{self.name} server recomputes the prefix of every interrupted request); use 'recompute'")
+        if cfg.server_update == "group" and not self.update_group:
+            groups = [s.name for s in ENGINES.values() if s.update_group]
+            raise ValueError(f"server_update: 'group' needs a rollout.engine with a weight-update group "
+                             f"({', '.join(groups)}; with {self.name!r} a version held in memory is staged: vLLM's "
+                             "transfer engines need CUDA on both sides); use 'stage'")
+
+    def adapters(self, rank: int) -> str | None:
+        """Why this engine cannot take published LoRA adapters of ``rank`` (None: it can)."""
+        if self.max_adapter_rank is None or rank <= self.max_adapter_rank:
+            return None
+        if self.max_adapter_rank == 0:
+            takers = [s.name for s in ENGINES.values() if s.max_adapter_rank != 0]
+            return f"rollout.engine={self.name} (hpcrl loads adapters into {', '.join(takers)})"
+        return f"trainer.lora.rank={rank} and rollout.engine={self.name} ({self.title or self.name} serves " \
+               f"adapters up to rank {self.max_adapter_rank})"
+
+
+ENGINES: dict[str, EngineSpec] = {}
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    """Make ``spec`` a choice of ``rollout.engine``; a name is registered once."""
+    if spec.name in ENGINES and ENGINES[spec.name] is not spec:
+        raise ValueError(f"rollout.engine: {spec.name!r} is registered already")
+    ENGINES[spec.name] = spec
+    return spec
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The spec ``rollout.engine`` names: a registered name, or ``module:attr`` of an EngineSpec."""
+    if name in ENGINES:
+        return ENGINES[name]
+    if ":" in name:
+        spec = resolve(name, "rollout.engine")
+        if not isinstance(spec, EngineSpec):
+            raise ValueError(f"rollout.engine: {name!r} is a {type(spec).__name__}, not an EngineSpec")
+        return register_engine(spec if spec.name == name else _renamed(spec, name))
+    raise ValueError(f"rollout.engine: must be one of {sorted(ENGINES)} or 'module:attr' of an EngineSpec, "
+                     f"got {name!r}")
+
+
+def resolve(target: str | Callable, key: str) -> Any:
+    """``module:attr`` imported (a callable is itself); errors name ``key``."""
+    if callable(target):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{key}: cannot import {target!r}: {e}") from None
+
+
+def _renamed(spec: EngineSpec, name: str) -> EngineSpec:
+    from dataclasses import replace
+
+    return replace(spec, name=name)
+
+
+register_engine(EngineSpec("torch", build="hpcrl.rollout.engines:build_torch"))
+register_engine(EngineSpec("vllm", build="hpcrl.rollout.engines:build_server", server=True,
+                           backend="hpcrl.rollout.vllm_engine:VLLMBackend", max_adapter_rank=512, title="vLLM"))
+register_engine(EngineSpec("sglang", build="hpcrl.rollout.engines:build_server", server=True,
+                           backend="hpcrl.rollout.sglang_engine:SGLangBackend", update_group=True,
+                           max_adapter_rank=0, title="SGLang"))

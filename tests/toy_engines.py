@@ -1,0 +1,53 @@
+"""A rollout engine that hpcrl does not ship, registered from outside the package (``rollout.engine:
+toy_engines:TOY``): the embedded engine behind a wrapper that counts its work and writes the count to the
+run's logs when it closes, so a test can see that the real rollout process built and drove it."""
+
+from __future__ import annotations
+
+import json
+
+from hpcrl.rollout.registry import EngineSpec
+
+
+class Counting:
+    """An :class:`~hpcrl.rollout.engine.InferenceEngine` around another one."""
+
+    def __init__(self, inner, path) -> None:
+        self.inner, self.path, self.counts = inner, path, {"submitted": 0, "completed": 0, "updates": 0}
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def submit(self, request) -> None:
+        self.counts["submitted"] += 1
+        self.inner.submit(request)
+
+    def poll(self, timeout_s: float = 0.0):
+        done = self.inner.poll(timeout_s)
+        self.counts["completed"] += len(done)
+        return done
+
+    def update_weights(self, weights) -> None:
+        self.counts["updates"] += 1
+        self.inner.update_weights(weights)
+
+    def abort_all(self):
+        return self.inner.abort_all()
+
+    def num_in_flight(self) -> int:
+        return self.inner.num_in_flight()
+
+    def close(self) -> None:
+        self.inner.close()
+        self.path.write_text(json.dumps(self.counts))
+
+
+def build(cfg, site, *, seed: int, tokenizer, model=None):
+    from hpcrl.rollout.engines import build_torch
+
+    inner = build_torch(cfg, site, seed=seed, tokenizer=tokenizer, model=model)
+    return Counting(inner, site.log_dir / f"{site.name}.toy.json")
+
+
+TOY = EngineSpec("toy", build=build)
