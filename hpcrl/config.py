@@ -74,9 +74,6 @@ class RunConfig:
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
-        if self.trainer.lora.rank and self.trainer.engine == "megatron":
-            raise ValueError("trainer.lora.rank: LoRA is not built for trainer.engine=megatron (docs/trainer.md says "
-                             "why); use trainer.engine=fsdp")
         if self.trainer.lora.publish == "adapter":
             for bad, why in ((self.weights.mode != "disk", f"weights.mode={self.weights.mode} (adapters are "
                               "published on disk, where a server loads them from)"),

@@ -51,6 +51,7 @@ from hpcrl import atomic
 from hpcrl.ckpt import store
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name
+from hpcrl.trainer.registry import checkpoint_owner, train_engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +159,14 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
 
 
 def weight_layout(keys: list[str]) -> str:
-    """How a checkpoint's weights are laid out: ``fsdp``, or the megatron engine's ``megatron TP=t PP=p``."""
-    from hpcrl.trainer.mcore.reshard import saved_layout
-
-    sizes = saved_layout(keys)
-    return "fsdp" if sizes is None else f"megatron TP={sizes[0]} PP={sizes[1]}"
+    """How a checkpoint's weights are laid out (``fsdp``, ``megatron TP=t PP=p``): the layout of the train
+    engine that wrote it (:func:`hpcrl.trainer.registry.checkpoint_owner`)."""
+    return checkpoint_owner(keys)[1]
 
 
 def trainer_layout(cfg: RunConfig) -> str:
     """:func:`weight_layout` of the checkpoints this run's trainer writes."""
-    if cfg.trainer.engine != "megatron":
-        return "fsdp"
-    return f"megatron TP={cfg.trainer.megatron.tensor_parallel} PP={cfg.trainer.megatron.pipeline_parallel}"
+    return train_engine_spec(cfg.trainer.engine).layout_of(cfg.trainer)
 
 
 def data_offset(src: Path, num_rows: int, seed: int) -> int:

@@ -1,5 +1,6 @@
-"""The rollout-engine registry: choices, errors and each engine's checks come from the registered specs, and
-an engine registered from outside hpcrl (``tests/toy_engines.py``) runs a real run with no change to hpcrl."""
+"""The engine registries (rollout and train): choices, errors and each engine's checks come from the registered
+specs, and engines registered from outside hpcrl (``tests/toy_engines.py``) run a real run with no change to
+hpcrl."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.audit import audit
 from hpcrl.config import ConfigError, load_config
+from hpcrl.metrics.writer import read_metrics
 from hpcrl.rollout.registry import ENGINES, EngineSpec, engine_spec, register_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +56,33 @@ def test_a_plugin_engine_is_named_by_import_path(monkeypatch) -> None:
         load_config(QUICK, ["rollout.engine=toy_engines:TOY", "rollout.server_update=group"])
 
 
+def test_the_train_engines_choices_checks_and_layouts_come_from_the_registry(monkeypatch) -> None:
+    from hpcrl.init_from import trainer_layout, weight_layout
+    from hpcrl.launch.resume import safe_to_change
+    from hpcrl.trainer.registry import TRAIN_ENGINES, train_engine_spec
+
+    assert {"fsdp", "megatron"} <= set(TRAIN_ENGINES)
+    with pytest.raises(ConfigError, match=r"^trainer\.engine: must be one of \['fsdp', 'megatron'\]"):
+        load_config(QUICK, ["trainer.engine=deepspeed"])
+    with pytest.raises(ConfigError, match=r"^trainer\.world_size: 3 is not a multiple of megatron"):
+        load_config(QUICK, ["trainer.engine=megatron", "trainer.world_size=3", "trainer.megatron.tensor_parallel=2"])
+    cfg = load_config(QUICK, ["trainer.engine=megatron", "trainer.world_size=2", "trainer.megatron.pipeline_parallel=2"])
+    assert trainer_layout(cfg) == "megatron TP=1 PP=2" and trainer_layout(load_config(QUICK, [])) == "fsdp"
+    assert weight_layout(["model.tp2.1.pp2.0/decoder.layers.0.x", "optim.y"]) == "megatron TP=2 PP=2"
+    assert weight_layout(["model.model.embed_tokens.weight"]) == "fsdp"
+    assert safe_to_change("trainer.megatron.tensor_parallel") and not safe_to_change("trainer.lr")
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    with pytest.raises(ConfigError, match=r"^trainer\.lora\.rank: LoRA is not built for trainer\.engine=toy_engines"):
+        load_config(QUICK, ["trainer.engine=toy_engines:TOY_TRAIN", "trainer.lora.rank=4"])
+    assert train_engine_spec("toy_engines:TOY_TRAIN").layout_of(load_config(QUICK, []).trainer) == \
+        "toy_engines:TOY_TRAIN"
+
+
 @pytest.mark.slow
-def test_a_run_with_an_engine_registered_outside_hpcrl(tmp_path: Path) -> None:
-    """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY``: the rollout process builds the toy engine
-    through the registry and drives it through the real loop; the run completes and its audit is clean."""
+def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
+    """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY trainer.engine=toy_engines:TOY_TRAIN``: the
+    rollout and trainer processes build the toy engines through the registries and drive them through the real
+    loops; the run completes and its audit is clean."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     out = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", QUICK, f"run_dir={run}",
@@ -64,12 +90,13 @@ def test_a_run_with_an_engine_registered_outside_hpcrl(tmp_path: Path) -> None:
                           "model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=2000", "data.n_eval=40",
                           "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4",
                           "rollout.max_batch_size=8", "rollout.max_new_tokens=4", "trainer.total_steps=6",
-                          "eval.every_steps=0", "eval.size=40", "rollout.engine=toy_engines:TOY"],
+                          "eval.every_steps=0", "eval.size=40", "rollout.engine=toy_engines:TOY",
+                          "trainer.engine=toy_engines:TOY_TRAIN"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = [json.loads(p.read_text()) for p in (run / "logs").glob("*.toy.json")]
     assert counts and counts[0]["completed"] >= 6 * 4 * 4 and counts[0]["updates"] >= 1, counts
-    from hpcrl.audit import audit
-
+    steps = [r["toy/steps"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "toy/steps" in r]
+    assert steps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], steps
     rep = audit(run)
     assert rep.ok and rep.steps == 6, rep.violations

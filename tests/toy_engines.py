@@ -1,12 +1,16 @@
-"""A rollout engine that hpcrl does not ship, registered from outside the package (``rollout.engine:
-toy_engines:TOY``): the embedded engine behind a wrapper that counts its work and writes the count to the
-run's logs when it closes, so a test can see that the real rollout process built and drove it."""
+"""Engines that hpcrl does not ship, registered from outside the package by import path.
+
+``rollout.engine: toy_engines:TOY`` is the embedded engine behind a wrapper that counts its work and writes
+the count to the run's logs when it closes; ``trainer.engine: toy_engines:TOY_TRAIN`` is FSDP2 under another
+name that counts its steps into the metrics. A test sees from both that the real processes built and drove
+them."""
 
 from __future__ import annotations
 
 import json
 
 from hpcrl.rollout.registry import EngineSpec
+from hpcrl.trainer.registry import TrainEngineSpec
 
 
 class Counting:
@@ -51,3 +55,21 @@ def build(cfg, site, *, seed: int, tokenizer, model=None):
 
 
 TOY = EngineSpec("toy", build=build)
+
+
+def build_train(model_path, cfg, algo, ctx, pad_id, dtype):
+    """FSDP2 under another name, counting its steps into the metrics (``toy/steps``)."""
+    from hpcrl.trainer.fsdp import FSDPEngine
+
+    class CountingTrainer(FSDPEngine):
+        steps = 0
+
+        def train_step(self, seqs, version=None):
+            stats = super().train_step(seqs, version)
+            CountingTrainer.steps += 1
+            return {**stats, "toy/steps": float(CountingTrainer.steps)}
+
+    return CountingTrainer(model_path, cfg, algo, ctx, pad_id, dtype=dtype)
+
+
+TOY_TRAIN = TrainEngineSpec("toy_train", build=build_train, lora=False)

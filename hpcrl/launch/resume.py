@@ -42,10 +42,11 @@ from pathlib import Path
 from hpcrl.ckpt.store import latest_valid, request_rewind, verify
 from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
 from hpcrl.launch.control import CANCEL, cancel_requested
+from hpcrl.trainer.registry import TRAIN_ENGINES
 
 log = logging.getLogger(__name__)
-SAFE_KEYS = ("trainer.total_steps", "trainer.world_size", "trainer.megatron.*", "rollout.replicas", "launch.*",
-             "watchdog.*", "eval.*")
+# the train engines' own (trainer.megatron.*: the megatron engine reshards its checkpoints) come from their specs
+SAFE_KEYS = ("trainer.total_steps", "trainer.world_size", "rollout.replicas", "launch.*", "watchdog.*", "eval.*")
 UNSAFE_KEYS = ("launch.mode",)  # the components (colocated or not) and their checkpoints differ
 
 
@@ -53,7 +54,8 @@ def safe_to_change(key: str) -> bool:
     key = key.strip()
     if key in UNSAFE_KEYS:
         return False
-    return any(key == s or (s.endswith(".*") and key.startswith(s[:-1])) for s in SAFE_KEYS)
+    safe = SAFE_KEYS + tuple(k for spec in TRAIN_ENGINES.values() for k in spec.resumable)
+    return any(key == s or (s.endswith(".*") and key.startswith(s[:-1])) for s in safe)
 
 
 def locate(target: Path) -> tuple[Path, Path | None]:

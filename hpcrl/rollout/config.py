@@ -46,7 +46,7 @@ class RolloutConfig:
     kv_on_update: Literal["recompute", "keep"] = "recompute"
 
     def __post_init__(self) -> None:
-        engine_spec(self.engine).check(self)  # the engine's own checks (kv_on_update, server_update)
+        engine_spec(self.engine, key="engine").check(self)  # the engine's own checks (kv_on_update, server_update)
         for name in ("replicas", "group_size", "max_batch_size", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

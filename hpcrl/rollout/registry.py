@@ -20,7 +20,7 @@ This module is light (no torch): the config layer imports it.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -79,17 +79,17 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     return spec
 
 
-def engine_spec(name: str) -> EngineSpec:
-    """The spec ``rollout.engine`` names: a registered name, or ``module:attr`` of an EngineSpec."""
+def engine_spec(name: str, key: str = "rollout.engine") -> EngineSpec:
+    """The spec ``rollout.engine`` names: a registered name, or ``module:attr`` of an EngineSpec; errors name
+    ``key`` (the rollout config passes its own ``engine``: the loader adds ``rollout.``)."""
     if name in ENGINES:
         return ENGINES[name]
     if ":" in name:
-        spec = resolve(name, "rollout.engine")
+        spec = resolve(name, key)
         if not isinstance(spec, EngineSpec):
-            raise ValueError(f"rollout.engine: {name!r} is a {type(spec).__name__}, not an EngineSpec")
-        return register_engine(spec if spec.name == name else _renamed(spec, name))
-    raise ValueError(f"rollout.engine: must be one of {sorted(ENGINES)} or 'module:attr' of an EngineSpec, "
-                     f"got {name!r}")
+            raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not an EngineSpec")
+        return register_engine(spec if spec.name == name else replace(spec, name=name))
+    raise ValueError(f"{key}: must be one of {sorted(ENGINES)} or 'module:attr' of an EngineSpec, got {name!r}")
 
 
 def resolve(target: str | Callable, key: str) -> Any:
@@ -101,12 +101,6 @@ def resolve(target: str | Callable, key: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{key}: cannot import {target!r}: {e}") from None
-
-
-def _renamed(spec: EngineSpec, name: str) -> EngineSpec:
-    from dataclasses import replace
-
-    return replace(spec, name=name)
 
 
 register_engine(EngineSpec("torch", build="hpcrl.rollout.engines:build_torch"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hpcrl.trainer.registry import train_engine_spec
+
 
 @dataclass
 class LoraSettings:
@@ -47,9 +49,10 @@ class MegatronSettings:
 
 @dataclass
 class TrainerConfig:
-    # training backend (hpcrl.trainer.engine): fsdp = FSDP2 over all ranks; megatron = megatron-core GPTModel,
-    # tensor parallel x data parallel (trainer.megatron; docs/trainer.md#megatron-core)
-    engine: Literal["fsdp", "megatron"] = "fsdp"
+    # training backend (hpcrl/trainer/registry.py): fsdp = FSDP2 over all ranks; megatron = megatron-core GPTModel,
+    # tensor x pipeline x data parallel (trainer.megatron; docs/trainer.md#megatron-core); or "module:attr" of a
+    # TrainEngineSpec of your own
+    engine: str = "fsdp"
     world_size: int = 1  # trainer ranks (processes); FSDP2 shards parameters across them
     total_steps: int = 100  # training steps; the policy version after the run equals this
     lr: float = 1e-4  # peak learning rate (AdamW)
@@ -87,9 +90,6 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens: must be >= 16, got {self.micro_batch_tokens}")
         if self.keep_dropped_files < 0:
             raise ValueError(f"keep_dropped_files: must be >= 0, got {self.keep_dropped_files}")
-        parallel = self.megatron.tensor_parallel * self.megatron.pipeline_parallel
-        if self.engine == "megatron" and self.world_size % parallel:
-            raise ValueError(f"world_size: {self.world_size} is not a multiple of megatron.tensor_parallel x "
-                             f"megatron.pipeline_parallel = {parallel}")
+        train_engine_spec(self.engine, key="engine").checked(self)  # the engine's own checks (layout, LoRA)
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")

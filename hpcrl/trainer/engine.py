@@ -12,7 +12,8 @@ Lifecycle of an engine, one instance per trainer rank, every call collective
 (each rank makes it, in the same order):
 
 1. Built by :func:`build_train_engine` from the initial policy's HuggingFace
-   folder; ``trainer.engine`` names the implementation.
+   folder; ``trainer.engine`` names the implementation's spec
+   (:mod:`hpcrl.trainer.registry`).
 2. Maybe restored: :meth:`~TrainEngine.checkpoint_state` gives the sharded
    state by part (``model``, ``optim``, and ``critic``, ``critic_optim``
    where a critic exists), which DCP loads in place;
@@ -47,11 +48,10 @@ from hpcrl.model.hf_io import torch_dtype
 from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer.batch import TrainSequence
 from hpcrl.trainer.config import TrainerConfig
+from hpcrl.trainer.registry import resolve, train_engine_spec
 
-__all__ = ["ENGINES", "TrainEngine", "build_train_engine"]
+__all__ = ["TrainEngine", "build_train_engine"]
 
-# trainer.engine -> "module:class"; imported on use, so a backend's dependencies load only where it runs
-ENGINES = {"fsdp": "hpcrl.trainer.fsdp:FSDPEngine", "megatron": "hpcrl.trainer.mcore.engine:MegatronEngine"}
 
 @runtime_checkable
 class TrainEngine(Protocol):
@@ -91,9 +91,7 @@ class TrainEngine(Protocol):
 
 def build_train_engine(name: str, model_path: str | Path, cfg: TrainerConfig, algo: AlgoConfig,
                        ctx: DistContext, pad_id: int, dtype: str = "float32") -> TrainEngine:
-    """The engine ``name`` (``trainer.engine``) over the HuggingFace model at ``model_path``."""
-    if name not in ENGINES:
-        raise ValueError(f"trainer.engine: unknown engine {name!r}; known: {', '.join(ENGINES)}")
-    module, cls = ENGINES[name].split(":")
-    engine_cls = getattr(__import__(module, fromlist=[cls]), cls)
+    """The engine ``name`` (``trainer.engine``, :mod:`hpcrl.trainer.registry`) over the HuggingFace model at
+    ``model_path``; its module is imported here, so a backend's dependencies load only where it runs."""
+    engine_cls = resolve(train_engine_spec(name).build, "trainer.engine")
     return engine_cls(model_path, cfg, algo, ctx, pad_id, dtype=torch_dtype(dtype))

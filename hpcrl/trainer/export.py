@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hpcrl.trainer.registry import checkpoint_owner, resolve
+
 
 def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
     """Write ``out`` (config, tokenizer, safetensors) with the checkpoint's model weights; returns ``out``.
@@ -22,8 +24,9 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
     from hpcrl.model.hf_io import load_model, load_tokenizer, save_model
 
     model, scalings = load_model(base_model), None
-    if is_megatron(ckpt):
-        model.load_state_dict(megatron_weights(ckpt, model.config), strict=False)
+    owner, _ = checkpoint_owner(saved_keys(ckpt))
+    if owner.weights is not None:  # an engine that keeps its own layout converts its weights to HF names
+        model.load_state_dict(resolve(owner.weights, "trainer.engine")(ckpt, model.config), strict=False)
         return save_model(model, load_tokenizer(base_model), out)
     if has_adapters(ckpt):
         from hpcrl.trainer.lora import apply_lora
@@ -38,33 +41,6 @@ def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
 
             unload_merged(model, scalings)
     return save_model(model, load_tokenizer(base_model), out)
-
-
-def is_megatron(ckpt: Path) -> bool:
-    """Whether the checkpoint was saved by the megatron engine (its weights are per-TP-rank, per-stage slices)."""
-    from hpcrl.trainer.mcore.reshard import saved_layout
-
-    return saved_layout(saved_keys(ckpt)) is not None
-
-
-def megatron_weights(ckpt: Path, hf_config) -> dict[str, torch.Tensor]:
-    """HF-named weights from a megatron engine checkpoint: every TP rank's slices of every stage, merged
-    (:func:`hpcrl.trainer.mcore.convert.mcore_to_hf`)."""
-    from hpcrl.trainer.mcore.convert import mcore_to_hf
-    from hpcrl.trainer.mcore.reshard import saved_layout
-
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    keys = [k for k in meta if k.startswith("model.tp")]
-    state = {"model": {k[len("model."):]: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
-                       for k in keys}}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    tp, pp = saved_layout(keys)
-    shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
-    for key, t in state["model"].items():
-        layout, name = key.split("/", 1)
-        parts = layout.split(".")
-        shards[int(parts[3]) if pp > 1 else 0][int(parts[1])][name] = t
-    return mcore_to_hf(shards, hf_config)
 
 
 def saved_keys(ckpt: Path) -> list[str]:

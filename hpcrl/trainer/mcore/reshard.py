@@ -56,6 +56,29 @@ def saved_layout(keys: Iterable[str]) -> tuple[int, int] | None:
     return None
 
 
+def layout_name(keys: Iterable[str]) -> str | None:
+    """The layout of a megatron engine checkpoint (``megatron TP=t PP=p``); None for another engine's."""
+    sizes = saved_layout(keys)
+    return None if sizes is None else f"megatron TP={sizes[0]} PP={sizes[1]}"
+
+
+def hf_weights(ckpt: Path, hf_config) -> dict[str, torch.Tensor]:
+    """HF-named weights from a megatron engine checkpoint: every TP rank's slices of every stage, merged
+    (:func:`hpcrl.trainer.mcore.convert.mcore_to_hf`)."""
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    keys = [k for k in meta if k.startswith("model.tp")]
+    state = {"model": {k[len("model."):]: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
+                       for k in keys}}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    tp, pp = saved_layout(keys)
+    shards: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in range(pp)]
+    for key, t in state["model"].items():
+        layout, name = key.split("/", 1)
+        parts = layout.split(".")
+        shards[int(parts[3]) if pp > 1 else 0][int(parts[1])][name] = t
+    return convert.mcore_to_hf(shards, hf_config)
+
+
 class _Source:
     """The slices of one model a checkpoint holds (``part``: the policy's ``model`` or the ``critic``; ``optim``:
     its AdamW state's part, or None), read a stage and a few names at a time."""

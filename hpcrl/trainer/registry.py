@@ -1,0 +1,111 @@
+"""The train-engine registry: the one place that maps ``trainer.engine`` to an implementation.
+
+A :class:`TrainEngineSpec` says how to build the engine, what the config may
+ask of it (its own checks), how its checkpoints are laid out and read back as
+HuggingFace weights, and which of its settings a resumed run may change.
+:data:`TRAIN_ENGINES` holds the built-in ones (``fsdp``, ``megatron``),
+:func:`register_train_engine` adds another; the config's choices and errors,
+``--from`` across engines (:mod:`hpcrl.init_from`), the export to HuggingFace
+(:mod:`hpcrl.trainer.export`) and ``--resume`` (:mod:`hpcrl.launch.resume`)
+all ask the spec, so a new engine is one module and one registration. An
+engine outside hpcrl is named by import path: ``trainer.engine:
+my_pkg.engines:SPEC``.
+
+This module is light (no torch): the config layer imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from hpcrl.rollout.registry import resolve
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.config import TrainerConfig
+
+__all__ = ["TRAIN_ENGINES", "TrainEngineSpec", "checkpoint_owner", "register_train_engine", "train_engine_spec"]
+
+
+@dataclass(frozen=True)
+class TrainEngineSpec:
+    name: str
+    # the engine class, or its "module:Class": (model_path, cfg: TrainerConfig, algo, ctx, pad_id, dtype=) ->
+    # TrainEngine (imported when a trainer builds it)
+    build: str | Callable[..., Any]
+    lora: bool = True  # trains LoRA adapters (trainer.lora.rank > 0)
+    check: Callable[[TrainerConfig], None] | None = None  # its own checks of the trainer config (ValueError)
+    # the layout its checkpoints are written in, for a config ("megatron TP=2 PP=1"); None: its name
+    layout: Callable[[TrainerConfig], str] | None = None
+    # (the flattened keys of a checkpoint) -> its layout when this engine wrote it, else None; or "module:fn".
+    # None: its checkpoints hold the policy under HuggingFace names (``model.<name>``), as FSDP2's do
+    recognise: str | Callable[[Iterable[str]], str | None] | None = None
+    # (checkpoint dir, HF config) -> the policy's HuggingFace-named weights, for a checkpoint it recognised
+    weights: str | Callable[..., Any] | None = None
+    resumable: tuple[str, ...] = ()  # config keys of its own that a resumed run may change (its checkpoints adapt)
+
+    def checked(self, cfg: TrainerConfig) -> None:
+        if cfg.lora.rank and not self.lora:
+            raise ValueError(f"lora.rank: LoRA is not built for trainer.engine={self.name} (docs/trainer.md says "
+                             f"why); use trainer.engine={', '.join(s.name for s in TRAIN_ENGINES.values() if s.lora)}")
+        if self.check is not None:
+            self.check(cfg)
+
+    def layout_of(self, cfg: TrainerConfig) -> str:
+        """How the checkpoints of a trainer with ``cfg`` are laid out."""
+        return self.layout(cfg) if self.layout is not None else self.name
+
+
+TRAIN_ENGINES: dict[str, TrainEngineSpec] = {}
+
+
+def register_train_engine(spec: TrainEngineSpec) -> TrainEngineSpec:
+    """Make ``spec`` a choice of ``trainer.engine``; a name is registered once."""
+    if spec.name in TRAIN_ENGINES and TRAIN_ENGINES[spec.name] is not spec:
+        raise ValueError(f"trainer.engine: {spec.name!r} is registered already")
+    TRAIN_ENGINES[spec.name] = spec
+    return spec
+
+
+def train_engine_spec(name: str, key: str = "trainer.engine") -> TrainEngineSpec:
+    """The spec ``trainer.engine`` names: a registered name, or ``module:attr`` of a TrainEngineSpec; errors
+    name ``key``."""
+    if name in TRAIN_ENGINES:
+        return TRAIN_ENGINES[name]
+    if ":" in name:
+        spec = resolve(name, key)
+        if not isinstance(spec, TrainEngineSpec):
+            raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not a TrainEngineSpec")
+        return register_train_engine(spec if spec.name == name else replace(spec, name=name))
+    raise ValueError(f"{key}: must be one of {sorted(TRAIN_ENGINES)} or 'module:attr' of a TrainEngineSpec, "
+                     f"got {name!r}")
+
+
+def checkpoint_owner(keys: Iterable[str]) -> tuple[TrainEngineSpec, str]:
+    """The engine whose layout a checkpoint's keys are in, and that layout: the first engine that recognises
+    them, else ``fsdp`` (HuggingFace names)."""
+    keys = list(keys)
+    for spec in TRAIN_ENGINES.values():
+        if spec.recognise is not None:
+            layout = resolve(spec.recognise, "trainer.engine")(keys)
+            if layout is not None:
+                return spec, layout
+    return TRAIN_ENGINES["fsdp"], "fsdp"
+
+
+def _megatron_check(cfg: TrainerConfig) -> None:
+    parallel = cfg.megatron.tensor_parallel * cfg.megatron.pipeline_parallel
+    if cfg.world_size % parallel:
+        raise ValueError(f"world_size: {cfg.world_size} is not a multiple of megatron.tensor_parallel x "
+                         f"megatron.pipeline_parallel = {parallel}")
+
+
+def _megatron_layout(cfg: TrainerConfig) -> str:
+    return f"megatron TP={cfg.megatron.tensor_parallel} PP={cfg.megatron.pipeline_parallel}"
+
+
+register_train_engine(TrainEngineSpec("fsdp", build="hpcrl.trainer.fsdp:FSDPEngine"))
+register_train_engine(TrainEngineSpec(
+    "megatron", build="hpcrl.trainer.mcore.engine:MegatronEngine", lora=False, check=_megatron_check,
+    layout=_megatron_layout, recognise="hpcrl.trainer.mcore.reshard:layout_name",
+    weights="hpcrl.trainer.mcore.reshard:hf_weights", resumable=("trainer.megatron.*",)))
