@@ -26,7 +26,8 @@ from hpcrl.eval.measure import scorer
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
 from hpcrl.prepared import Prepared, load_datasets
-from hpcrl.reward.runner import RewardRunner, load_function
+from hpcrl.reward.registry import build_scorer
+from hpcrl.reward.runner import load_function
 from hpcrl.sft.warm_start import warm_start
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Prepared:
         if cfg.sft.enabled:
             log.info("SFT warm start skipped: the policy starts from %s", prepared.init_from["checkpoint"])
     elif cfg.sft.enabled:
-        runner = RewardRunner(cfg.reward)
+        runner = build_scorer(cfg.reward)
         demonstrate = load_function(cfg.sft.demonstrations, "sft.demonstrations:") if cfg.sft.demonstrations else None
         try:
             res = warm_start(cfg.sft, base, train_rows, eval_rows, scorer(runner),

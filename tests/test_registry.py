@@ -1,6 +1,6 @@
-"""The engine registries (rollout and train): choices, errors and each engine's checks come from the registered
-specs, and engines registered from outside hpcrl (``tests/toy_engines.py``) run a real run with no change to
-hpcrl."""
+"""The registries (rollout engines, train engines, reward scorers): choices, errors and each engine's checks come
+from the registered specs, and implementations registered from outside hpcrl (``tests/toy_engines.py``) run a
+real run with no change to hpcrl."""
 
 from __future__ import annotations
 
@@ -78,25 +78,51 @@ def test_the_train_engines_choices_checks_and_layouts_come_from_the_registry(mon
         "toy_engines:TOY_TRAIN"
 
 
+def test_the_scorer_comes_from_the_reward_registry(monkeypatch) -> None:
+    from hpcrl.reward.config import RewardConfig
+    from hpcrl.reward.registry import build_scorer
+    from hpcrl.reward.runner import RewardRunner
+    from hpcrl.reward.scorer import Scorer
+
+    with pytest.raises(ConfigError, match=r"^reward\.scorer: must be one of \['function'\]"):
+        load_config(QUICK, ["reward.scorer=docker"])
+    with build_scorer(RewardConfig()) as scorer:
+        assert isinstance(scorer, RewardRunner) and isinstance(scorer, Scorer)
+        assert [r.status for r in scorer.score_many([("1+1=", "2", {"answer": "2"})])] == ["ok"]
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    plugin = build_scorer(RewardConfig(scorer="toy_engines:CountingScorer"))
+    assert isinstance(plugin, Scorer) and plugin.score("1+1=", "3", {"answer": "2"}).reward == 0.0
+    assert plugin.items == 1
+    plugin.close()
+    with pytest.raises(ValueError, match="cannot import 'toy_engines:Nothing'"):
+        build_scorer(RewardConfig(scorer="toy_engines:Nothing"))
+
+
 @pytest.mark.slow
 def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
-    """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY trainer.engine=toy_engines:TOY_TRAIN``: the
-    rollout and trainer processes build the toy engines through the registries and drive them through the real
-    loops; the run completes and its audit is clean."""
+    """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY trainer.engine=toy_engines:TOY_TRAIN
+    reward.scorer=toy_engines:CountingScorer``: the rollout and trainer processes build the toy engines and the
+    scorer through the registries and drive them through the real loops; the run completes and its audit is
+    clean."""
     run, cache = tmp_path / "run", tmp_path / "cache"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    scored = tmp_path / "scored"
+    scored.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+           "HPCRL_TOY_SCORER_OUT": str(scored)}
     out = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", QUICK, f"run_dir={run}",
                           f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
                           "model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=2000", "data.n_eval=40",
                           "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4",
                           "rollout.max_batch_size=8", "rollout.max_new_tokens=4", "trainer.total_steps=6",
                           "eval.every_steps=0", "eval.size=40", "rollout.engine=toy_engines:TOY",
-                          "trainer.engine=toy_engines:TOY_TRAIN"],
+                          "trainer.engine=toy_engines:TOY_TRAIN", "reward.scorer=toy_engines:CountingScorer"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = [json.loads(p.read_text()) for p in (run / "logs").glob("*.toy.json")]
     assert counts and counts[0]["completed"] >= 6 * 4 * 4 and counts[0]["updates"] >= 1, counts
     steps = [r["toy/steps"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "toy/steps" in r]
     assert steps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], steps
+    items = sum(json.loads(p.read_text())["items"] for p in scored.glob("*.json"))
+    assert items >= 6 * 4 * 4  # the rollout scored every sample it published through the plugin
     rep = audit(run)
     assert rep.ok and rep.steps == 6, rep.violations

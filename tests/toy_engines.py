@@ -2,8 +2,8 @@
 
 ``rollout.engine: toy_engines:TOY`` is the embedded engine behind a wrapper that counts its work and writes
 the count to the run's logs when it closes; ``trainer.engine: toy_engines:TOY_TRAIN`` is FSDP2 under another
-name that counts its steps into the metrics. A test sees from both that the real processes built and drove
-them."""
+name that counts its steps into the metrics; ``reward.scorer: toy_engines:CountingScorer`` is the function
+scorer counting what it scored. A test sees from all three that the real processes built and drove them."""
 
 from __future__ import annotations
 
@@ -73,3 +73,34 @@ def build_train(model_path, cfg, algo, ctx, pad_id, dtype):
 
 
 TOY_TRAIN = TrainEngineSpec("toy_train", build=build_train, lora=False)
+
+
+class CountingScorer:
+    """The function scorer under another name, writing what it scored to ``$HPCRL_TOY_SCORER_OUT/<pid>.json``
+    when it closes."""
+
+    def __init__(self, cfg) -> None:
+        from hpcrl.reward.runner import RewardRunner
+
+        self.inner, self.items = RewardRunner(cfg), 0
+
+    def score(self, prompt: str, response: str, row: dict):
+        self.items += 1
+        return self.inner.score(prompt, response, row)
+
+    def score_many(self, items):
+        self.items += len(items)
+        return self.inner.score_many(items)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.inner.counts
+
+    def close(self) -> None:
+        import os
+        from pathlib import Path
+
+        self.inner.close()
+        out = os.environ.get("HPCRL_TOY_SCORER_OUT")
+        if out:
+            Path(out, f"{os.getpid()}.json").write_text(json.dumps({"items": self.items, **self.inner.counts}))

@@ -38,7 +38,7 @@ from hpcrl.eval.snapshots import EvalLog, Snapshot, Snapshots
 from hpcrl.model.hf_io import load_model, load_tokenizer
 from hpcrl.eval.measure import held_out
 from hpcrl.prepared import load_datasets, load_prepared
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.registry import build_scorer
 from hpcrl.runtime.device import detect
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
@@ -65,7 +65,7 @@ class Evaluator:
         self.model = load_model(prep.init_model).to(self.device)
         _, rows = load_datasets(cfg, self.tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
         self.rows = rows[: cfg.eval.size]
-        self.runner = RewardRunner(cfg.reward)
+        self.runner = build_scorer(cfg.reward)
         self.measure = held_out(cfg, self.tokenizer, self.runner)
         self.evaluated = 0
 

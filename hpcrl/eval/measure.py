@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hpcrl.config import RunConfig
 from hpcrl.data.rows import Row
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.scorer import Scorer
 
 if TYPE_CHECKING:
     from hpcrl.eval.accuracy import EvalResult
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["Measure", "held_out", "scorer"]
 
 
-def scorer(runner: RewardRunner):
+def scorer(runner: Scorer):
     """Adapt the reward runner to the ``score(prompt, response, row)`` the evaluators take."""
     def score(prompt: str, response: str, row: Row) -> float:
         return runner.score(prompt, response, {"answer": row.answer, **row.extra}).reward
@@ -24,7 +24,7 @@ def scorer(runner: RewardRunner):
 Measure = Callable[..., "EvalResult"]  # (model, rows, after_batch=None) -> EvalResult
 
 
-def held_out(cfg: RunConfig, tokenizer, runner: RewardRunner) -> Measure:
+def held_out(cfg: RunConfig, tokenizer, runner: Scorer) -> Measure:
     """How the run measures held-out accuracy: one greedy completion per prompt scored by the reward
     function, or with ``eval.agent`` the agent function's episodes over greedy completions."""
     from hpcrl.eval.accuracy import greedy_accuracy

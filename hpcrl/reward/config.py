@@ -6,9 +6,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from hpcrl.reward.registry import check_scorer
+
 
 @dataclass
 class RewardConfig:
+    # what scores the samples (hpcrl/reward/registry.py): function = the function `fn` below, contained as
+    # `isolation` says; or "module:attr" of a factory (RewardConfig) -> Scorer of your own
+    scorer: str = "function"
     # import path 'package.module:function'; called as fn(prompt, response, **row)
     # where row has at least 'answer'
     fn: str = "hpcrl.reward.math_verify:math_reward"
@@ -20,6 +25,7 @@ class RewardConfig:
     max_workers: int = 4
 
     def __post_init__(self) -> None:
+        check_scorer(self.scorer, key="scorer")
         module, sep, attr = str(self.fn).partition(":")
         if not sep or not module.strip() or not attr.strip():
             raise ValueError(f"fn: must be an import path 'package.module:function', got {self.fn!r}")

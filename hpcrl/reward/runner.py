@@ -44,26 +44,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from hpcrl.reward.config import RewardConfig  # noqa: F401 (re-exported)
+from hpcrl.reward.scorer import STATUSES, RewardResult, Status  # noqa: F401 (re-exported)
 from hpcrl.reward.threads import Call, CallThreads
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["ok", "error", "timeout", "invalid"]
-STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "invalid")
 
 
-
-
-@dataclass
-class RewardResult:
-    reward: float  # 0.0 unless status is "ok"
-    status: Status  # ok / error / timeout / invalid
-    detail: str = ""  # why, for anything but "ok"
 
 
 def load_function(path: str, what: str = "reward function") -> Callable[..., float]:
@@ -151,7 +142,8 @@ class _WarningLimiter:
 
 
 class RewardRunner:
-    """Scores responses with ``cfg.fn`` under ``cfg.isolation`` (see module doc)."""
+    """Scores responses with ``cfg.fn`` under ``cfg.isolation`` (see module doc): the ``function``
+    :class:`~hpcrl.reward.scorer.Scorer`."""
 
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg

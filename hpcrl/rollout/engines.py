@@ -30,7 +30,8 @@ from typing import Callable
 
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine, SamplingParams
-from hpcrl.rollout.registry import engine_spec, resolve
+from hpcrl.plugins import resolve
+from hpcrl.rollout.registry import engine_spec
 
 
 @dataclass

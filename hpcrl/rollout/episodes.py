@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Hashable, Protocol, runtime_checkable
 
 from hpcrl.data.rows import Row
-from hpcrl.reward.runner import RewardResult, RewardRunner
+from hpcrl.reward.scorer import RewardResult, Scorer
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 
 __all__ = ["Episode", "EpisodeKey", "EpisodeRunner", "SingleTurn"]
@@ -129,7 +129,7 @@ class SingleTurn:
     Request ids are the episode keys; every output token is trained.
     """
 
-    def __init__(self, engine: InferenceEngine, tokenizer, reward: RewardRunner) -> None:
+    def __init__(self, engine: InferenceEngine, tokenizer, reward: Scorer) -> None:
         self.engine, self.tokenizer, self.reward = engine, tokenizer, reward
         self._done: list[tuple[EpisodeKey, Episode]] = []
 

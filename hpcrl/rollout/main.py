@@ -42,7 +42,7 @@ from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.model.limits import ModelLimits
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.registry import build_scorer
 from hpcrl.rollout.engines import EngineSite, build_engine
 from hpcrl.rollout.server import EngineServerError
 from hpcrl.rollout.worker import RolloutWorker
@@ -60,7 +60,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path),
                                    prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
-    spool, reward = Spool(run_dir / "spool", fence=fence), RewardRunner(cfg.reward)
+    spool, reward = Spool(run_dir / "spool", fence=fence), build_scorer(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
                       name=f"rollout-{writer or replica}", gpus=visible_device_count(cfg.launch.rollout.gpus_per_node),
                       on_wait=on_wait, lora_rank=cfg.trainer.lora.rank if cfg.trainer.lora.publish == "adapter" else 0)

@@ -19,14 +19,15 @@ This module is light (no torch): the config layer imports it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
+
+from hpcrl.plugins import resolve
 
 if TYPE_CHECKING:
     from hpcrl.rollout.config import RolloutConfig
 
-__all__ = ["ENGINES", "EngineSpec", "engine_spec", "register_engine", "resolve"]
+__all__ = ["ENGINES", "EngineSpec", "engine_spec", "register_engine"]
 
 
 @dataclass(frozen=True)
@@ -90,17 +91,6 @@ def engine_spec(name: str, key: str = "rollout.engine") -> EngineSpec:
             raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not an EngineSpec")
         return register_engine(spec if spec.name == name else replace(spec, name=name))
     raise ValueError(f"{key}: must be one of {sorted(ENGINES)} or 'module:attr' of an EngineSpec, got {name!r}")
-
-
-def resolve(target: str | Callable, key: str) -> Any:
-    """``module:attr`` imported (a callable is itself); errors name ``key``."""
-    if callable(target):
-        return target
-    module, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}: cannot import {target!r}: {e}") from None
 
 
 register_engine(EngineSpec("torch", build="hpcrl.rollout.engines:build_torch"))

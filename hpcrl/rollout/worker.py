@@ -43,7 +43,7 @@ from hpcrl.admission.config import AdmissionConfig
 from hpcrl.admission.ledger import AdmissionLedger, Ticket
 from hpcrl.data.rows import Row
 from hpcrl.model.hf_io import encode_prompt
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.scorer import Scorer
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine
 from hpcrl.rollout.episodes import Episode, EpisodeKey, EpisodeRunner, SingleTurn
@@ -86,7 +86,7 @@ class RolloutStats:
 
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
-                 rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: RewardRunner, writer: str,
+                 rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: Scorer, writer: str,
                  weights: WeightTransport | None = None, chat_template: bool = False,
                  episodes: EpisodeRunner | None = None) -> None:
         self.cfg, self.admission = cfg, admission

@@ -48,7 +48,8 @@ from hpcrl.model.hf_io import torch_dtype
 from hpcrl.runtime.dist import DistContext
 from hpcrl.trainer.batch import TrainSequence
 from hpcrl.trainer.config import TrainerConfig
-from hpcrl.trainer.registry import resolve, train_engine_spec
+from hpcrl.plugins import resolve
+from hpcrl.trainer.registry import train_engine_spec
 
 __all__ = ["TrainEngine", "build_train_engine"]
 

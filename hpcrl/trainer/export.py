@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcrl.trainer.registry import checkpoint_owner, resolve
+from hpcrl.plugins import resolve
+from hpcrl.trainer.registry import checkpoint_owner
 
 
 def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:

@@ -51,7 +51,8 @@ from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, reque
 from hpcrl.eval.measure import held_out
 from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
-from hpcrl.reward.runner import RewardRunner
+from hpcrl.reward.registry import build_scorer
+from hpcrl.reward.scorer import Scorer
 from hpcrl.spool.format import TrajectoryGroup
 from hpcrl.spool.store import Spool
 from hpcrl.trainer.batch import informative_filter, to_sequences
@@ -177,13 +178,13 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: 
 
 
 def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
-                fence: Fence | NoFence | None = None) -> tuple[BatchFeed, Reporter, RewardRunner]:
+                fence: Fence | NoFence | None = None) -> tuple[BatchFeed, Reporter, Scorer]:
     """The pieces only rank 0 owns: the spool feed and the reporter."""
     train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
                      cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
-    runner = RewardRunner(cfg.reward)
+    runner = build_scorer(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         eval_rows=eval_rows, measure=held_out(cfg, tokenizer, runner),
                         instance=fence.instance if fence else "", fence=fence)

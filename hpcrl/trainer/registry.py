@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from hpcrl.rollout.registry import resolve
+from hpcrl.plugins import resolve
 
 if TYPE_CHECKING:
     from hpcrl.trainer.config import TrainerConfig
