@@ -60,7 +60,7 @@ from hpcrl.trainer.feed import BatchFeed
 from hpcrl.trainer.engine import TrainEngine, build_train_engine
 from hpcrl.trainer.report import Reporter
 from hpcrl.weights.adapter import adapter_merger, peft_config
-from hpcrl.weights.transport import WEIGHTS_FILE, DiskWeights, open_transport
+from hpcrl.weights.transport import DiskWeights, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +216,8 @@ def _run(run_dir: Path) -> None:
                          if lora.publish == "adapter" else None)
     weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence, published_adapter)
                if ctx.is_main else DiskWeights(run_dir / "weights", cfg.weights))  # only rank 0 publishes
-    if reporter and isinstance(weights, DiskWeights):
-        reporter.published = lambda version: weights.version_dir(version) / WEIGHTS_FILE
+    if reporter:
+        reporter.published = weights.published_file
     if reporter and published_adapter is not None:  # evaluation takes the whole policy: base + adapters merged
         reporter.whole_policy = adapter_merger(prep.init_model, published_adapter)
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)

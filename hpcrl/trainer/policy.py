@@ -12,8 +12,8 @@ statistics:
   data-parallel group, the tensor-parallel ranks of one replica seeing the
   same micro-batches), over which the loss normaliser, the advantage moments
   and the statistics are summed;
-- ``_forward(mb, model, entropy)``: token logprobs (and entropies) of a
-  micro-batch; ``_values(mb)``: the critic's values;
+- the abstract hooks ``_forward(mb, model, entropy)``: token logprobs (and
+  entropies) of a micro-batch; ``_values(mb)``: the critic's values;
 - ``_passes(model, mbs, loss_of, entropy)`` and ``_no_grad_passes(model,
   mbs)`` (optional): the order of an update's forward and backward passes
   and of the passes without gradients; one micro-batch after another
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Mapping
 
 import torch
@@ -82,10 +83,30 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class PolicyTrainer:
-    """The shared :meth:`train_step`; see the module docstring for what a subclass provides."""
+class PolicyTrainer(ABC):
+    """The shared :meth:`train_step`; see the module docstring for what a subclass provides. The hooks the step
+    calls are declared here: an engine that misses one cannot be built."""
 
     dp_group = None  # None: the default process group
+
+    @abstractmethod
+    def _forward(self, mb: B.MicroBatch, model: torch.nn.Module | None = None,
+                 entropy: str | None = "detached") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token logprobs of ``mb`` under ``model`` (the policy when None) and, unless ``entropy`` is None,
+        entropies ('detached' or 'grad')."""
+
+    @abstractmethod
+    def _values(self, mb: B.MicroBatch) -> torch.Tensor:
+        """The critic's value of every token position of ``mb``."""
+
+    @abstractmethod
+    def _grad_scale(self) -> int:
+        """What each micro-batch loss is multiplied by before its backward, so that the engine's gradient
+        reduction yields the gradient of the whole minibatch."""
+
+    @abstractmethod
+    def _clip(self, model: torch.nn.Module) -> float:
+        """Clip ``model``'s gradients (after the engine's reduction); their global norm."""
 
     def _logprobs(self, mb: B.MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         return self._forward(mb, model, entropy=None)[0]

@@ -166,6 +166,10 @@ class _Base:
         self.pg = None
         self._layout: Layout | None = None
 
+    def published_file(self, version: int) -> Path | None:
+        """No file: versions travel over the group."""
+        return None
+
     def _get(self, key: str) -> str | None:
         k = _PREFIX + key
         return self.store.get(k).decode() if self.store.check([k]) else None

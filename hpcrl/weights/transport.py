@@ -52,6 +52,11 @@ class WeightTransport(Protocol):
 
     def locate(self, version: int) -> WeightVersion: ...
 
+    def published_file(self, version: int) -> Path | None:
+        """The file that holds version ``version``'s published tensors where the transport keeps one (an
+        evaluation snapshot links it instead of writing a copy); None when it keeps none."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -81,6 +86,9 @@ class DiskWeights:
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
+
+    def published_file(self, version: int) -> Path | None:
+        return self.version_dir(version) / WEIGHTS_FILE
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         target = self.version_dir(version)
