@@ -131,7 +131,7 @@ def make_worker(tmp_path: Path, runner_cls=None, weights=None) -> tuple[RolloutW
     rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
     admission = AdmissionConfig(batch_size=2, max_staleness=0)
     spool, reward = Spool(tmp_path / "spool"), RewardRunner(RewardConfig())
-    runner = runner_cls(engine, tokenizer) if runner_cls else None
+    runner = runner_cls(engine, tokenizer) if runner_cls else SingleTurn(engine, tokenizer, reward)
     worker = RolloutWorker(RolloutConfig(group_size=3, max_batch_size=8, max_new_tokens=4), admission,
                            engine=engine, tokenizer=tokenizer, rows=rows,
                            ledger=AdmissionLedger(tmp_path / "admission", admission, len(rows)), spool=spool,

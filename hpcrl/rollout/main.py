@@ -44,6 +44,7 @@ from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.model.limits import ModelLimits
 from hpcrl.reward.registry import build_scorer
 from hpcrl.rollout.engines import EngineSite, build_engine
+from hpcrl.rollout.episodes import SingleTurn
 from hpcrl.rollout.server import EngineServerError
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.store import Spool
@@ -70,7 +71,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
         reward.close()
         raise
     try:
-        episodes = _agent_episodes(cfg, engine, tokenizer, prep.init_model) if cfg.agent.fn else None
+        episodes = _agent_episodes(cfg, engine, tokenizer, prep.init_model) if cfg.agent.fn else \
+            SingleTurn(engine, tokenizer, reward)
     except BaseException:
         engine.close()
         reward.close()

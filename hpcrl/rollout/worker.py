@@ -46,7 +46,7 @@ from hpcrl.model.hf_io import encode_prompt
 from hpcrl.reward.scorer import Scorer
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine
-from hpcrl.rollout.episodes import Episode, EpisodeKey, EpisodeRunner, SingleTurn
+from hpcrl.rollout.episodes import Episode, EpisodeKey, EpisodeRunner
 from hpcrl.rollout.publisher import BackgroundPublisher
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
@@ -87,13 +87,14 @@ class RolloutStats:
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
                  rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: Scorer, writer: str,
-                 weights: WeightTransport | None = None, chat_template: bool = False,
-                 episodes: EpisodeRunner | None = None) -> None:
+                 episodes: EpisodeRunner, weights: WeightTransport | None = None, chat_template: bool = False) -> None:
+        """``episodes``: what a sample is (:class:`~hpcrl.rollout.episodes.SingleTurn` scored by ``reward``, or an
+        agent's episodes); ``reward``: the job's scorer, which the job closes."""
         self.cfg, self.admission = cfg, admission
         self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
         self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
         self.writer, self.chat_template = writer, chat_template
-        self.episodes = episodes if episodes is not None else SingleTurn(engine, tokenizer, reward)
+        self.episodes = episodes
         self.groups: dict[int, _Group] = {}
         self.stats = RolloutStats()
         self.publisher = BackgroundPublisher(spool, self._published)
