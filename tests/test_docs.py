@@ -1,5 +1,5 @@
-"""Docs that cannot go stale: the design's sections that the code cites exist, and every repository path
-(and test id) that README.md and docs/*.md cite is there."""
+"""Docs that cannot go stale: the design's sections that the code cites exist, every repository path (and test
+id) that README.md and docs/*.md cite is there, and every command of the README's tables answers --help."""
 
 from __future__ import annotations
 
@@ -63,3 +63,31 @@ def test_every_path_the_docs_cite_exists() -> None:
             elif test and not re.search(rf"^def {re.escape(test.split('[')[0])}\(", (ROOT / path).read_text(), re.M):
                 missing.append(f"{doc.name}: {cited} (no such test)")
     assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
+
+
+def readme_table_commands() -> list[list[str]]:
+    """The ``python -m ...`` and ``python scripts/...`` commands of the README's tables, as argv up to the
+    module or script."""
+    found = set()
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if not line.startswith("|"):
+            continue
+        for m in re.finditer(r"`python (-m [\w.]+|scripts/[\w./]+\.py)", line):
+            found.add(m.group(1))
+    return [cmd.split() for cmd in sorted(found)]
+
+
+def test_every_command_of_the_readme_tables_answers_help() -> None:
+    import os
+    import subprocess
+    import sys
+
+    commands = readme_table_commands()
+    assert ["-m", "hpcrl.submit"] in commands and len(commands) >= 8, commands
+    failed = []
+    for argv in commands:
+        out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if out.returncode != 0 or "usage:" not in out.stdout:
+            failed.append(f"{' '.join(argv)} --help: exit {out.returncode}: {(out.stderr or out.stdout)[-300:]}")
+    assert not failed, "\n".join(failed)
