@@ -12,12 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from hpcrl.plugins import defer_plugins
 from hpcrl.config import ConfigError
 from hpcrl.launch.control import cancel, format_status, run_status
 from hpcrl.runtime.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
+    defer_plugins()  # reads a run whose config was checked at submit: plugins need not load here
     parser = argparse.ArgumentParser(prog="python -m hpcrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="the run's state, components, progress and checkpoint")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.plugins import defer_plugins
 from hpcrl.config import load_saved
 from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
@@ -137,6 +138,7 @@ def _positions(run_dir: Path, cfg) -> Callable[[int], tuple[int, int]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    defer_plugins()  # reads a run whose config was checked at submit: plugins need not load here
     parser = argparse.ArgumentParser(prog="python -m hpcrl.audit", description="Check a run's invariants.")
     parser.add_argument("run_dir", type=Path)
     rep = audit(parser.parse_args(argv).run_dir)

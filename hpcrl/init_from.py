@@ -51,7 +51,7 @@ from hpcrl import atomic
 from hpcrl.ckpt import store
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name
-from hpcrl.trainer.registry import checkpoint_owner, train_engine_spec
+from hpcrl.trainer.registry import train_engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,8 @@ def write_step0(cfg: RunConfig, src: Path, run_dir: Path) -> Path:
 
 def weight_layout(keys: list[str]) -> str:
     """How a checkpoint's weights are laid out (``fsdp``, ``megatron TP=t PP=p``): the layout of the train
-    engine that wrote it (:func:`hpcrl.trainer.registry.checkpoint_owner`)."""
-    return checkpoint_owner(keys)[1]
+    engine that wrote it (:func:`hpcrl.trainer.export.checkpoint_owner`)."""
+    return _export().checkpoint_owner(keys)[1]
 
 
 def trainer_layout(cfg: RunConfig) -> str:

@@ -8,7 +8,21 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-__all__ = ["resolve"]
+__all__ = ["defer_plugins", "plugins_deferred", "resolve"]
+
+_deferred = False
+
+
+def defer_plugins() -> None:
+    """From now on, in this process, a config names plugins (``module:attr``) without importing them: for the
+    commands that only read a run (``status``, ``cancel``, the audit), whose config was checked, plugins
+    included, when the run was submitted."""
+    global _deferred
+    _deferred = True
+
+
+def plugins_deferred() -> bool:
+    return _deferred
 
 
 def resolve(target: str | Callable, key: str) -> Any:
@@ -23,3 +37,5 @@ def resolve(target: str | Callable, key: str) -> Any:
         return obj
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{key}: cannot import {target!r}: {e}") from None
+    except Exception as e:  # the plugin's own module failed: say which, under the key, without a second prefix
+        raise ValueError(f"{key}: importing {target!r} failed: {type(e).__name__}: {e}") from None

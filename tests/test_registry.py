@@ -23,9 +23,9 @@ QUICK = str(ROOT / "configs/quickstart.yaml")
 
 def test_the_choices_and_the_error_come_from_the_registry() -> None:
     assert {"torch", "vllm", "sglang"} <= set(ENGINES)
-    with pytest.raises(ConfigError, match=r"rollout\.engine: must be one of \['sglang', 'torch', 'vllm'") as e:
+    with pytest.raises(ConfigError, match=r"^rollout\.engine: must be one of \[") as e:
         load_config(QUICK, ["rollout.engine=tensorrt"])
-    assert "module:attr" in str(e.value)
+    assert all(f"'{name}'" in str(e.value) for name in ("torch", "vllm", "sglang")) and "module:attr" in str(e.value)
     with pytest.raises(ConfigError, match="cannot import 'no_such_module:SPEC'"):
         load_config(QUICK, ["rollout.engine=no_such_module:SPEC"])
     with pytest.raises(ConfigError, match="not an EngineSpec"):
@@ -47,6 +47,24 @@ def test_each_engine_checks_what_it_cannot_do() -> None:
         load_config(QUICK, [*lora, "rollout.engine=vllm", "trainer.lora.rank=600"])
 
 
+def test_light_commands_read_a_plugin_engine_without_importing_it(tmp_path) -> None:
+    """``python -m hpcrl status`` on a run whose config names a plugin that this process cannot import: the
+    saved config loads without it (it was checked at submit)."""
+    from hpcrl.config import save
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(QUICK, [f"run_dir={run}"])
+    save(cfg, run / "config.yaml")
+    text = (run / "config.yaml").read_text().replace("engine: torch", "engine: not_installed_anywhere:SPEC")
+    (run / "config.yaml").write_text(text)
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and json.loads(out.stdout)["state"], out.stderr[-2000:]
+    with pytest.raises(ConfigError, match="cannot import 'not_installed_anywhere:SPEC'"):  # a submit would refuse it
+        load_config(QUICK, ["rollout.engine=not_installed_anywhere:SPEC"])
+
+
 def test_a_plugin_engine_is_named_by_import_path(monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     cfg = load_config(QUICK, ["rollout.engine=toy_engines:TOY"])
@@ -62,7 +80,7 @@ def test_the_train_engines_choices_checks_and_layouts_come_from_the_registry(mon
     from hpcrl.trainer.registry import TRAIN_ENGINES, train_engine_spec
 
     assert {"fsdp", "megatron"} <= set(TRAIN_ENGINES)
-    with pytest.raises(ConfigError, match=r"^trainer\.engine: must be one of \['fsdp', 'megatron'\]"):
+    with pytest.raises(ConfigError, match=r"^trainer\.engine: must be one of \[.*'fsdp', 'megatron'"):
         load_config(QUICK, ["trainer.engine=deepspeed"])
     with pytest.raises(ConfigError, match=r"^trainer\.world_size: 3 is not a multiple of megatron"):
         load_config(QUICK, ["trainer.engine=megatron", "trainer.world_size=3", "trainer.megatron.tensor_parallel=2"])
@@ -74,8 +92,8 @@ def test_the_train_engines_choices_checks_and_layouts_come_from_the_registry(mon
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     with pytest.raises(ConfigError, match=r"^trainer\.lora\.rank: LoRA is not built for trainer\.engine=toy_engines"):
         load_config(QUICK, ["trainer.engine=toy_engines:TOY_TRAIN", "trainer.lora.rank=4"])
-    assert train_engine_spec("toy_engines:TOY_TRAIN").layout_of(load_config(QUICK, []).trainer) == \
-        "toy_engines:TOY_TRAIN"
+    # its checkpoints hold HuggingFace names (no recogniser): FSDP2's layout, so --from moves between the two
+    assert train_engine_spec("toy_engines:TOY_TRAIN").layout_of(load_config(QUICK, []).trainer) == "fsdp"
 
 
 def test_the_scorer_comes_from_the_reward_registry(monkeypatch) -> None:

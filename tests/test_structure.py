@@ -6,7 +6,8 @@ composes, and every ``*/registry.py``: the choices they validate against). The e
 ``hpcrl/colocated.py``) are the composition roots: they wire the parts together (the rollout job's picks
 the agent's episode runner when ``agent.fn`` is set) and may import any part, and no part imports them.
 Every import counts, those inside functions and under ``TYPE_CHECKING`` too: a dependency is a dependency
-wherever it is written.
+wherever it is written. A registry's ``"module:attr"`` strings are not imports: they name implementations
+that a component imports when it builds one (:mod:`hpcrl.plugins`), the way a config names a plugin.
 """
 
 from __future__ import annotations

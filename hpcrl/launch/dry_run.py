@@ -61,11 +61,14 @@ def tokenizer_check(path: Path) -> tuple[bool, str]:
     special = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            special = {**json.loads((path / name).read_text()), **special}
+            loaded = json.loads((path / name).read_text())
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:
             return False, f"model.path: {path / name} does not parse: {e}"
+        if not isinstance(loaded, dict):
+            return False, f"model.path: {path / name} is not a JSON object"
+        special = {**loaded, **special}
     if not special.get("eos_token"):
         return False, f"model.path: the tokenizer in {path} names no eos token (needed to end generations)"
     if "tokenizer.json" not in files:

@@ -2,7 +2,9 @@
 
 An :class:`EngineSpec` says how to build an engine and what the config may ask
 of it; :data:`ENGINES` holds the built-in ones (``torch``, ``vllm``,
-``sglang``), and :func:`register_engine` adds another. The config takes its
+``sglang``), and :func:`register_engine` adds another within one process
+(tests; a run's processes each load the config, so an engine of your own
+is named there by import path, below). The config takes its
 choices, its error message and each engine's own checks from here
 (:meth:`EngineSpec.check`), and :func:`hpcrl.rollout.engines.build_engine`
 builds what the spec names, so a new engine is one module and one
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from hpcrl.plugins import resolve
+from hpcrl.plugins import plugins_deferred, resolve
 
 if TYPE_CHECKING:
     from hpcrl.rollout.config import RolloutConfig
@@ -47,8 +49,14 @@ class EngineSpec:
     max_adapter_rank: int | None = None
     title: str = ""  # how messages name it ("vLLM"); the name when empty
 
+    def __post_init__(self) -> None:
+        if self.server and self.build == "hpcrl.rollout.engines:build_server" and not self.backend:
+            raise ValueError(f"rollout.engine: {self.name!r} is built by build_server, which needs its backend "
+                             "('module:Class' of a ServerBackend)")
+
     def check(self, cfg: RolloutConfig) -> None:
-        """The engine's own checks of the rollout config; ValueError names the key."""
+        """The engine's own checks of the rollout config; ValueError names the key relative to ``rollout``
+        (``kv_on_update: ...``: the config loader adds the section)."""
         if self.server and cfg.kv_on_update == "keep":
             raise ValueError(f"kv_on_update: 'keep' needs an embedded engine such as rollout.engine=torch (a "
                              f"{self.name} server recomputes the prefix of every interrupted request); use 'recompute'")
@@ -85,6 +93,8 @@ def engine_spec(name: str, key: str = "rollout.engine") -> EngineSpec:
     ``key`` (the rollout config passes its own ``engine``: the loader adds ``rollout.``)."""
     if name in ENGINES:
         return ENGINES[name]
+    if ":" in name and plugins_deferred():  # a run's own config, read by a light command: no import
+        return EngineSpec(name, build=name)
     if ":" in name:
         spec = resolve(name, key)
         if not isinstance(spec, EngineSpec):

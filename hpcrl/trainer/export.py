@@ -9,12 +9,13 @@ tokenizer come from ``base_model`` (the run's initial policy).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from hpcrl.plugins import resolve
-from hpcrl.trainer.registry import checkpoint_owner
+from hpcrl.trainer.registry import HF_LAYOUT, TRAIN_ENGINES, TrainEngineSpec
 
 
 def to_hf(ckpt: Path, base_model: Path, out: Path) -> Path:
@@ -66,3 +67,15 @@ def lora_settings_of(ckpt: Path):
     if not settings.rank:
         raise ValueError(f"{ckpt} holds LoRA adapters but its run's config.yaml has trainer.lora.rank = 0")
     return settings
+
+
+def checkpoint_owner(keys: Iterable[str]) -> tuple[TrainEngineSpec, str]:
+    """The train engine whose layout a checkpoint's keys are in, and that layout: the first registered engine
+    that recognises them, else FSDP2's HuggingFace names (:data:`~hpcrl.trainer.registry.HF_LAYOUT`)."""
+    keys = list(keys)
+    for spec in TRAIN_ENGINES.values():
+        if spec.recognise is not None:
+            layout = resolve(spec.recognise, "trainer.engine")(keys)
+            if layout is not None:
+                return spec, layout
+    return TRAIN_ENGINES[HF_LAYOUT], HF_LAYOUT

@@ -4,7 +4,9 @@ A :class:`TrainEngineSpec` says how to build the engine, what the config may
 ask of it (its own checks), how its checkpoints are laid out and read back as
 HuggingFace weights, and which of its settings a resumed run may change.
 :data:`TRAIN_ENGINES` holds the built-in ones (``fsdp``, ``megatron``),
-:func:`register_train_engine` adds another; the config's choices and errors,
+:func:`register_train_engine` adds another within one process (a run's
+processes each load the config, so an engine of your own is named there by
+import path, below); the config's choices and errors,
 ``--from`` across engines (:mod:`hpcrl.init_from`), the export to HuggingFace
 (:mod:`hpcrl.trainer.export`) and ``--resume`` (:mod:`hpcrl.launch.resume`)
 all ask the spec, so a new engine is one module and one registration. An
@@ -19,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from hpcrl.plugins import resolve
+from hpcrl.plugins import plugins_deferred, resolve
 
 if TYPE_CHECKING:
     from hpcrl.trainer.config import TrainerConfig
 
-__all__ = ["TRAIN_ENGINES", "TrainEngineSpec", "checkpoint_owner", "register_train_engine", "train_engine_spec"]
+__all__ = ["HF_LAYOUT", "TRAIN_ENGINES", "TrainEngineSpec", "register_train_engine", "train_engine_spec"]
+
+HF_LAYOUT = "fsdp"  # checkpoints that hold the policy under HuggingFace names (``model.<name>``), as FSDP2 writes
 
 
 @dataclass(frozen=True)
@@ -38,13 +42,15 @@ class TrainEngineSpec:
     # the layout its checkpoints are written in, for a config ("megatron TP=2 PP=1"); None: its name
     layout: Callable[[TrainerConfig], str] | None = None
     # (the flattened keys of a checkpoint) -> its layout when this engine wrote it, else None; or "module:fn".
-    # None: its checkpoints hold the policy under HuggingFace names (``model.<name>``), as FSDP2's do
+    # None: its checkpoints hold the policy under HuggingFace names (``model.<name>``), as FSDP2's do (HF_LAYOUT)
     recognise: str | Callable[[Iterable[str]], str | None] | None = None
     # (checkpoint dir, HF config) -> the policy's HuggingFace-named weights, for a checkpoint it recognised
     weights: str | Callable[..., Any] | None = None
     resumable: tuple[str, ...] = ()  # config keys of its own that a resumed run may change (its checkpoints adapt)
 
     def checked(self, cfg: TrainerConfig) -> None:
+        """Its checks of the trainer config (LoRA, then ``check``); ValueError names the key relative to
+        ``trainer`` (the config loader adds the section)."""
         if cfg.lora.rank and not self.lora:
             raise ValueError(f"lora.rank: LoRA is not built for trainer.engine={self.name} (docs/trainer.md says "
                              f"why); use trainer.engine={', '.join(s.name for s in TRAIN_ENGINES.values() if s.lora)}")
@@ -52,8 +58,11 @@ class TrainEngineSpec:
             self.check(cfg)
 
     def layout_of(self, cfg: TrainerConfig) -> str:
-        """How the checkpoints of a trainer with ``cfg`` are laid out."""
-        return self.layout(cfg) if self.layout is not None else self.name
+        """How the checkpoints of a trainer with ``cfg`` are laid out: its own layout, or, for an engine whose
+        checkpoints hold HuggingFace names (no ``recognise``), FSDP2's (:data:`HF_LAYOUT`)."""
+        if self.layout is not None:
+            return self.layout(cfg)
+        return HF_LAYOUT if self.recognise is None else self.name
 
 
 TRAIN_ENGINES: dict[str, TrainEngineSpec] = {}
@@ -72,6 +81,8 @@ def train_engine_spec(name: str, key: str = "trainer.engine") -> TrainEngineSpec
     name ``key``."""
     if name in TRAIN_ENGINES:
         return TRAIN_ENGINES[name]
+    if ":" in name and plugins_deferred():  # a run's own config, read by a light command: no import
+        return TrainEngineSpec(name, build=name)
     if ":" in name:
         spec = resolve(name, key)
         if not isinstance(spec, TrainEngineSpec):
@@ -79,18 +90,6 @@ def train_engine_spec(name: str, key: str = "trainer.engine") -> TrainEngineSpec
         return register_train_engine(spec if spec.name == name else replace(spec, name=name))
     raise ValueError(f"{key}: must be one of {sorted(TRAIN_ENGINES)} or 'module:attr' of a TrainEngineSpec, "
                      f"got {name!r}")
-
-
-def checkpoint_owner(keys: Iterable[str]) -> tuple[TrainEngineSpec, str]:
-    """The engine whose layout a checkpoint's keys are in, and that layout: the first engine that recognises
-    them, else ``fsdp`` (HuggingFace names)."""
-    keys = list(keys)
-    for spec in TRAIN_ENGINES.values():
-        if spec.recognise is not None:
-            layout = resolve(spec.recognise, "trainer.engine")(keys)
-            if layout is not None:
-                return spec, layout
-    return TRAIN_ENGINES["fsdp"], "fsdp"
 
 
 def _megatron_check(cfg: TrainerConfig) -> None:
