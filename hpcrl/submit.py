@@ -140,62 +140,94 @@ def report(summary: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcrl.submit", description="Start an hpcrl run.")
-    parser.add_argument("--config", type=Path, help="YAML config (see configs/)")
-    parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CKPT_DIR",
-                        help="continue a stopped, cancelled or crashed run (overrides: only trainer.total_steps, "
-                             "trainer.world_size, rollout.replicas, launch.*, watchdog.*, eval.*)")
-    parser.add_argument("--rewind", action="store_true",
-                        help="with --resume <run_dir>/ckpt/step_N older than the newest checkpoint: go back to it (the "
-                             "newer checkpoints are set aside in ckpt/rewound/, the groups trained after step N "
-                             "return to the queue)")
-    parser.add_argument("--from", dest="start_from", metavar="CKPT_DIR",
-                        help="a new run (--config) whose policy starts from another run's checkpoint "
-                             "(<run_dir>/ckpt/step_N, or a run directory: its newest); sets init.checkpoint")
-    parser.add_argument("--restore", metavar="PARTS",
-                        help="with --from, what else continues: a comma list of optimizer, scheduler, data; sets "
-                             "init.restore")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the config, model, data and (Slurm) each job with sbatch --test-only; print what "
-                             "would be submitted; create and submit nothing")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
-    args = parser.parse_args(argv)
+    """The steps: parse -> take signals -> open the run (or just check it: ``--dry-run``) -> prepare ->
+    supervise -> report; the exit code says how it ended (module docstring)."""
+    args = parser().parse_args(argv)
     setup_logging("submit")
     started = time.time()
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        # Ctrl-C or `kill -INT` stops the run even when a script started it in the background: the shell
-        # then leaves SIGINT ignored, Python keeps that, and the run would go on unstoppable by it
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    take_interrupts()
     preempt = PreemptionFlag()  # before anything slow: Slurm may signal a short job within seconds
     try:
-        if args.start_from or args.restore:
-            if args.resume or not args.start_from:
-                raise ConfigError("--from starts a new run (--config ... --from CKPT_DIR [--restore PARTS]); a resumed "
-                                  "run keeps where it started from")
-            args.overrides += [f"init.checkpoint={args.start_from}",
-                               f"init.restore=[{args.restore or ''}]"]
-        if args.rewind and not args.resume:
-            raise ConfigError("--rewind goes with --resume <run_dir>/ckpt/step_N")
         if args.dry_run:
-            if args.resume:
-                raise ConfigError("--dry-run checks a new run (--config); a resumed run was checked when it started")
-            return 0 if dry_run(load_config(args.config, args.overrides)) else 1
-        cfg = open_resumed(args.resume, args.overrides, args.rewind) if args.resume else \
-            create_run_dir(load_config(args.config, args.overrides))
+            return 0 if dry_run(load_config(args.config, run_overrides(args))) else 1
+        cfg = open_run(args)
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2
     run_dir = Path(cfg.run_dir)
     log.info("run directory: %s%s", run_dir, " (resumed)" if args.resume else "")
+    code = run(cfg, run_dir, preempt, resumed=bool(args.resume))
+    if code == 0:
+        report(summarize(run_dir, started))
+    return code
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.submit", description="Start an hpcrl run.")
+    p.add_argument("--config", type=Path, help="YAML config (see configs/)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR|CKPT_DIR",
+                   help="continue a stopped, cancelled or crashed run (overrides: only trainer.total_steps, "
+                        "trainer.world_size, rollout.replicas, launch.*, watchdog.*, eval.*)")
+    p.add_argument("--rewind", action="store_true",
+                   help="with --resume <run_dir>/ckpt/step_N older than the newest checkpoint: go back to it (the "
+                        "newer checkpoints are set aside in ckpt/rewound/, the groups trained after step N "
+                        "return to the queue)")
+    p.add_argument("--from", dest="start_from", metavar="CKPT_DIR",
+                   help="a new run (--config) whose policy starts from another run's checkpoint "
+                        "(<run_dir>/ckpt/step_N, or a run directory: its newest); sets init.checkpoint")
+    p.add_argument("--restore", metavar="PARTS",
+                   help="with --from, what else continues: a comma list of optimizer, scheduler, data; sets "
+                        "init.restore")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, model, data and (Slurm) each job with sbatch --test-only; print what "
+                        "would be submitted; create and submit nothing")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
+    return p
+
+
+def take_interrupts() -> None:
+    """Ctrl-C or ``kill -INT`` stops the run even when a script started it in the background: the shell then
+    leaves SIGINT ignored, Python keeps that, and the run would go on unstoppable by it."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """The command line's overrides, with ``--from``/``--restore`` as ``init.*``; ConfigError for flags that do
+    not go together."""
+    overrides = list(args.overrides)
+    if args.start_from or args.restore:
+        if args.resume or not args.start_from:
+            raise ConfigError("--from starts a new run (--config ... --from CKPT_DIR [--restore PARTS]); a resumed "
+                              "run keeps where it started from")
+        overrides += [f"init.checkpoint={args.start_from}", f"init.restore=[{args.restore or ''}]"]
+    if args.rewind and not args.resume:
+        raise ConfigError("--rewind goes with --resume <run_dir>/ckpt/step_N")
+    if args.dry_run and args.resume:
+        raise ConfigError("--dry-run checks a new run (--config); a resumed run was checked when it started")
+    return overrides
+
+
+def open_run(args: argparse.Namespace) -> RunConfig:
+    """The run's config, its directory created (a new run) or taken over (``--resume``)."""
+    overrides = run_overrides(args)
+    if args.resume:
+        return open_resumed(args.resume, overrides, args.rewind)
+    return create_run_dir(load_config(args.config, overrides))
+
+
+def run(cfg: RunConfig, run_dir: Path, preempt: PreemptionFlag, resumed: bool) -> int:
+    """Prepare (once) and supervise the run; the exit code."""
     try:
         if not (run_dir / "prepared.json").exists():
             from hpcrl.prepare import prepare  # torch and transformers: only where a run is prepared
 
             prepare(cfg, run_dir)
         supervise(cfg, run_dir, preempt=preempt)
+        return 0
     except ComponentFailed as e:
         log.error("%s", e)
-        if not args.resume:
+        if not resumed:
             record_failed_start(run_dir, str(e))
         return 1
     except RunTakenOver as e:
@@ -216,11 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValueError as e:
         log.error("%s", e)
-        if not args.resume:
+        if not resumed:
             record_failed_start(run_dir, str(e))
         return 2
-    report(summarize(run_dir, started))
-    return 0
 
 
 if __name__ == "__main__":
