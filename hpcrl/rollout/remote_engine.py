@@ -6,10 +6,11 @@ finished sequences to the rollout loop through a queue that
 :meth:`RemoteEngine.poll` drains. The wire format of each server lives in a
 :class:`ServerBackend` (``vllm_engine``, ``sglang_engine``).
 
-Sequences submitted together with the same prompt and length limit (the
-samples of one prompt group) share their first request, which asks for
-``n`` of them (``coalesce``, on by default): one HTTP round trip instead of
-``n``. Each sequence interrupted by a weight update goes on with requests of
+Requests are sent at the next :meth:`~RemoteEngine.poll` after their
+:meth:`~RemoteEngine.submit`; sequences submitted between two polls with the
+same prompt and length limit (the samples of one prompt group) share their
+first request, which asks for ``n`` of them (``coalesce``, on by default):
+one HTTP round trip instead of ``n``, whatever the load on the machine. Each sequence interrupted by a weight update goes on with requests of
 its own.
 
 Version-exact tokens (abort and resubmit, as AReaL does). Every sequence is
@@ -152,6 +153,7 @@ class RemoteEngine:
         self.update_group = update_group  # in-memory versions go to the server over it instead of a staged copy
         self.coalesce = coalesce
         self._submitted: list[_Seq] = []  # since the last flush (under _count_lock)
+        self._flush_due = False  # a flush is scheduled on the client loop (under _count_lock)
         self.staging_dir, self.request_timeout_s, self.abort_retry_s = Path(staging_dir), request_timeout_s, abort_retry_s
         self.on_wait: Callable[[], None] | None = None  # called every few seconds while an update blocks (heartbeat)
         self._version = version
@@ -209,17 +211,21 @@ class RemoteEngine:
             return self._in_flight
 
     def submit(self, request: Request) -> None:
+        """Queue ``request``; it is sent at the next :meth:`poll`, with everything submitted before that poll (the
+        samples of a prompt group go together however the threads interleave)."""
         limit = request.max_new_tokens or self.sampling.max_new_tokens
         with self._count_lock:
             self._in_flight += 1
             self._submitted.append(_Seq(request, limit))
-            first = len(self._submitted) == 1
-        if first:  # the flush takes every submission made before it runs: a group submitted at once goes together
-            self._loop.call_soon_threadsafe(self._flush)
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
         if self._broken is not None:
             raise self._broken
+        with self._count_lock:
+            send = bool(self._submitted) and not self._flush_due
+            self._flush_due = self._flush_due or send
+        if send:  # one flush takes every submission made before it runs
+            self._loop.call_soon_threadsafe(self._flush)
         if self.server is not None:
             self.server.check()
         out: list[Completion] = []
@@ -282,7 +288,7 @@ class RemoteEngine:
     def _flush(self) -> None:
         """Start what was submitted since the last flush; alike sequences (one prompt, one limit) together."""
         with self._count_lock:
-            submitted, self._submitted = self._submitted, []
+            submitted, self._submitted, self._flush_due = self._submitted, [], False
         alike: dict[tuple, list[_Seq]] = {}
         for seq in submitted:
             key = (tuple(seq.request.prompt_ids), seq.limit) if self.coalesce else (len(alike),)
