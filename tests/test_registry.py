@@ -28,7 +28,7 @@ def test_the_choices_and_the_error_come_from_the_registry() -> None:
     assert all(f"'{name}'" in str(e.value) for name in ("torch", "vllm", "sglang")) and "module:attr" in str(e.value)
     with pytest.raises(ConfigError, match="cannot import 'no_such_module:SPEC'"):
         load_config(QUICK, ["rollout.engine=no_such_module:SPEC"])
-    with pytest.raises(ConfigError, match="not an EngineSpec"):
+    with pytest.raises(ConfigError, match="is a function, not the EngineSpec it must name"):
         load_config(QUICK, ["rollout.engine=json:dumps"])
     with pytest.raises(ValueError, match="registered already"):
         register_engine(EngineSpec("torch", build="x:y"))

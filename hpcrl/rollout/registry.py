@@ -21,10 +21,10 @@ This module is light (no torch): the config layer imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from hpcrl.plugins import plugins_deferred, resolve
+from hpcrl.plugins import Registry
 
 if TYPE_CHECKING:
     from hpcrl.rollout.config import RolloutConfig
@@ -77,30 +77,9 @@ class EngineSpec:
                f"adapters up to rank {self.max_adapter_rank})"
 
 
-ENGINES: dict[str, EngineSpec] = {}
-
-
-def register_engine(spec: EngineSpec) -> EngineSpec:
-    """Make ``spec`` a choice of ``rollout.engine``; a name is registered once."""
-    if spec.name in ENGINES and ENGINES[spec.name] is not spec:
-        raise ValueError(f"rollout.engine: {spec.name!r} is registered already")
-    ENGINES[spec.name] = spec
-    return spec
-
-
-def engine_spec(name: str, key: str = "rollout.engine") -> EngineSpec:
-    """The spec ``rollout.engine`` names: a registered name, or ``module:attr`` of an EngineSpec; errors name
-    ``key`` (the rollout config passes its own ``engine``: the loader adds ``rollout.``)."""
-    if name in ENGINES:
-        return ENGINES[name]
-    if ":" in name and plugins_deferred():  # a run's own config, read by a light command: no import
-        return EngineSpec(name, build=name)
-    if ":" in name:
-        spec = resolve(name, key)
-        if not isinstance(spec, EngineSpec):
-            raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not an EngineSpec")
-        return register_engine(spec if spec.name == name else replace(spec, name=name))
-    raise ValueError(f"{key}: must be one of {sorted(ENGINES)} or 'module:attr' of an EngineSpec, got {name!r}")
+ENGINES = Registry("rollout.engine", EngineSpec)
+register_engine = ENGINES.register  # make a spec a choice of rollout.engine (within this process)
+engine_spec = ENGINES.lookup  # the spec a value of rollout.engine names (a registered name, or module:attr)
 
 
 register_engine(EngineSpec("torch", build="hpcrl.rollout.engines:build_torch"))

@@ -18,10 +18,10 @@ This module is light (no torch): the config layer imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from hpcrl.plugins import plugins_deferred, resolve
+from hpcrl.plugins import Registry
 
 if TYPE_CHECKING:
     from hpcrl.trainer.config import TrainerConfig
@@ -65,31 +65,9 @@ class TrainEngineSpec:
         return HF_LAYOUT if self.recognise is None else self.name
 
 
-TRAIN_ENGINES: dict[str, TrainEngineSpec] = {}
-
-
-def register_train_engine(spec: TrainEngineSpec) -> TrainEngineSpec:
-    """Make ``spec`` a choice of ``trainer.engine``; a name is registered once."""
-    if spec.name in TRAIN_ENGINES and TRAIN_ENGINES[spec.name] is not spec:
-        raise ValueError(f"trainer.engine: {spec.name!r} is registered already")
-    TRAIN_ENGINES[spec.name] = spec
-    return spec
-
-
-def train_engine_spec(name: str, key: str = "trainer.engine") -> TrainEngineSpec:
-    """The spec ``trainer.engine`` names: a registered name, or ``module:attr`` of a TrainEngineSpec; errors
-    name ``key``."""
-    if name in TRAIN_ENGINES:
-        return TRAIN_ENGINES[name]
-    if ":" in name and plugins_deferred():  # a run's own config, read by a light command: no import
-        return TrainEngineSpec(name, build=name)
-    if ":" in name:
-        spec = resolve(name, key)
-        if not isinstance(spec, TrainEngineSpec):
-            raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not a TrainEngineSpec")
-        return register_train_engine(spec if spec.name == name else replace(spec, name=name))
-    raise ValueError(f"{key}: must be one of {sorted(TRAIN_ENGINES)} or 'module:attr' of a TrainEngineSpec, "
-                     f"got {name!r}")
+TRAIN_ENGINES = Registry("trainer.engine", TrainEngineSpec)
+register_train_engine = TRAIN_ENGINES.register  # make a spec a choice of trainer.engine (within this process)
+train_engine_spec = TRAIN_ENGINES.lookup  # the spec a value of trainer.engine names (a name, or module:attr)
 
 
 def _megatron_check(cfg: TrainerConfig) -> None:
