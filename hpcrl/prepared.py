@@ -17,7 +17,7 @@ from hpcrl import atomic
 from hpcrl.config import RunConfig
 from hpcrl.data.rows import Row, load_rows
 from hpcrl.model.hf_io import encode_prompt, unknown_characters
-from hpcrl.model.limits import ModelLimits
+from hpcrl.model.limits import ModelLimits, Rejected
 
 __all__ = ["Prepared", "load_datasets", "load_prepared"]
 
@@ -63,11 +63,12 @@ def _context_check(cfg: RunConfig, tokenizer, limits: ModelLimits) -> Callable[[
     SentencePiece prefix, Unicode normalisation)."""
     if limits.context is None:
         return lambda prompt: None
-    room = limits.context - cfg.rollout.max_new_tokens
 
     def check(prompt: str) -> str | None:
         n = len(encode_prompt(tokenizer, prompt, cfg.data.chat_template))
-        return None if n <= room else (f"the prompt is {n} tokens: with rollout.max_new_tokens="
-                                       f"{cfg.rollout.max_new_tokens} it exceeds the model's context of "
-                                       f"{limits.context}")
+        try:
+            limits.check_length(n, cfg.rollout.max_new_tokens, param="prompt")
+        except Rejected as e:
+            return f"{e.message} (rollout.max_new_tokens)"
+        return None
     return check

@@ -148,3 +148,26 @@ def test_multiplication_dataset(tmp_path):
     assert "+" in load_rows(train)[0].prompt
     with pytest.raises(ValueError, match="^op"):
         write_arithmetic_dataset(tmp_path / "x", n_train=10, n_eval=5, op="-")
+
+
+def test_a_run_counts_a_prompt_too_long_for_the_models_context_as_a_bad_row(tmp_path) -> None:
+    """The rollout's single-turn episodes and the evaluation take prompts from the dataset: one that leaves the
+    context no room for rollout.max_new_tokens is reported before either sees it (exact token counts)."""
+    from hpcrl.config import load_config
+    from hpcrl.model.hf_io import load_tokenizer
+    from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
+    from hpcrl.prepared import load_datasets
+
+    model = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                                                 num_kv_heads=2, head_dim=8, intermediate_size=32,
+                                                                 max_position_embeddings=64))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": p, "answer": "2"}) for p in ("1+1=", "1" * 56, "1" * 57)) + "\n")
+    tok = load_tokenizer(model)
+    cfg = load_config("configs/quickstart.yaml", ["rollout.max_new_tokens=8"])
+    with pytest.raises(BadRowError, match=r"rows.jsonl:3: prompt: 57 prompt tokens \+ 8 to generate exceed the "
+                                          r"model's context of 64 tokens"):
+        load_datasets(cfg, tok, rows, rows, model)
+    cfg = load_config("configs/quickstart.yaml", ["rollout.max_new_tokens=8", "data.on_bad_row=skip"])
+    train, _ = load_datasets(cfg, tok, rows, rows, model)
+    assert [len(r.prompt) for r in train] == [4, 56]  # 56 + 8 fills the context exactly
