@@ -3,7 +3,7 @@
 Lifecycle of one prompt group: a ticket is taken from the global admission
 ledger under the staleness bound (using the version of the weights this
 worker generates with) -> ``group_size`` episodes start
-(:mod:`hpcrl.rollout.episodes`: with the default :class:`SingleTurn` runner
+(:mod:`hpcrl.rollout.episodes`: with :class:`SingleTurn`, which the job passes in unless agents run,
 one episode is one request of the prompt), their requests enter the engine,
 whose continuous batching keeps every slot busy -> when all episodes are
 done they are scored (the reward function, or the episodes' own rewards)
@@ -20,7 +20,7 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    interrupted and continues under it (tokens keep their versions);
 2. then admission, keeping the engine's slots plus one group's worth of
    queue filled (``max_batch_size + group_size`` unfinished episodes; one
-   request each with the default runner);
+   request each with SingleTurn);
 3. then one engine poll (one decode step of the embedded engine, a short
    wait for responses of a server engine), its completions handed to the
    episode runner, and the episodes the runner finished taken from it. A
