@@ -92,3 +92,34 @@ def test_ascend_through_torch_npu_imported_only_when_looked_for(tmp_path) -> Non
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_rollout_device_setting_places_the_embedded_engine(monkeypatch) -> None:
+    """``rollout.device`` through the device layer: auto is the CPU here, an accelerator that is not there is
+    refused by its key, and with CUDA present (a stand-in of torch.cuda) auto and cuda:N pick it and the memory
+    share is set on it."""
+    from hpcrl.rollout.config import RolloutConfig
+
+    assert D.place("auto") == D.place("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="rollout.device: cuda:0 asked for, but this process sees 0 cuda"):
+        D.place("cuda:0", "rollout.device")
+    for bad in ("gpu", "cpu:1", "cuda:x", "auto:0"):
+        with pytest.raises(ValueError, match="device: expected auto, cpu, cuda"):
+            RolloutConfig(device=bad)
+        with pytest.raises(ValueError, match="rollout.device: expected auto, cpu, cuda"):
+            D.place(bad, "rollout.device")
+    with pytest.raises(ValueError, match="device_memory_fraction: must be in"):
+        RolloutConfig(device_memory_fraction=1.0)
+    D.limit_memory(torch.device("cpu"), 0.5)  # the CPU: nothing to cap
+
+    capped = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d)))
+    assert D.place("auto") == torch.device("cuda", 0) and D.place("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="cuda:2 asked for, but this process sees 2 cuda"):
+        D.place("cuda:2")
+    D.limit_memory(torch.device("cuda", 1), 0.3)
+    D.limit_memory(torch.device("cuda", 0), 0.0)  # 0: no cap
+    assert capped == [(0.3, torch.device("cuda", 1))]

@@ -38,6 +38,12 @@ class RolloutConfig:
     max_new_tokens: int = 8  # response length limit
     temperature: float = 1.0  # sampling temperature (the trainer uses the same one for logprobs)
     threads: int = 1  # torch threads per rollout process
+    # engine=torch: where the embedded engine runs: auto = the job's first visible accelerator (CUDA, else an Ascend
+    # NPU), else the CPU; or cpu, cuda, cuda:N, npu, npu:N (hpcrl/runtime/device.py)
+    device: str = "auto"
+    # engine=torch on an accelerator: cap this process's share of the device's memory (0 = no cap), e.g. 0.3 when
+    # a trainer shares the device on one node (it gets the rest)
+    device_memory_fraction: float = 0.0
     poll_interval_s: float = 0.02  # sleep when blocked on admission or new weights
     # new sequences enter the running batch only when this many slots are free (fewer, larger prefills); 0 = group_size
     admit_min_free: int = 0
@@ -55,6 +61,12 @@ class RolloutConfig:
         if not 0 <= self.admit_min_free <= self.max_batch_size:
             raise ValueError(f"admit_min_free: must be in [0, max_batch_size={self.max_batch_size}], "
                              f"got {self.admit_min_free}")
+        kind, _, index = self.device.partition(":")
+        if self.device != "auto" and (kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit())
+                                      or (kind == "cpu" and index)):
+            raise ValueError(f"device: expected auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        if not 0 <= self.device_memory_fraction < 1:
+            raise ValueError(f"device_memory_fraction: must be in [0, 1), got {self.device_memory_fraction}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
         if not 0 <= self.server_port < 65536:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -32,6 +33,8 @@ from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine, SamplingParams
 from hpcrl.plugins import resolve
 from hpcrl.rollout.registry import engine_spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,11 +61,20 @@ def sampling_of(cfg: RolloutConfig) -> SamplingParams:
 
 
 def build_torch(cfg: RolloutConfig, site: EngineSite, *, seed: int, tokenizer, model=None) -> InferenceEngine:
-    """The embedded engine, on ``model`` (colocated mode) or the initial policy loaded here."""
+    """The embedded engine, on ``model`` (colocated mode: the trainer's, where it is) or the initial policy loaded
+    here onto ``rollout.device``, whose memory this process may then use up to ``rollout.device_memory_fraction``."""
     from hpcrl.model.hf_io import load_model
     from hpcrl.rollout.torch_engine import TorchEngine
+    from hpcrl.runtime.device import limit_memory, of, place
 
-    return TorchEngine(model if model is not None else load_model(site.model_path, site.dtype),
+    if model is None:
+        device = place(cfg.device, "rollout.device")
+        of(device).set_device(device.index or 0)
+        limit_memory(device, cfg.device_memory_fraction)
+        model = load_model(site.model_path, site.dtype).to(device)
+        log.info("embedded engine on %s%s", device, f" (memory share {cfg.device_memory_fraction})"
+                 if cfg.device_memory_fraction and device.type != "cpu" else "")
+    return TorchEngine(model,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        max_batch_size=cfg.max_batch_size, sampling=sampling_of(cfg), seed=seed,
                        min_admit=cfg.admit_min_free or cfg.group_size,

@@ -9,6 +9,11 @@ requested backend (``auto``: CUDA, else an Ascend NPU, else the CPU).
 ``torch_npu`` is imported only when an NPU is asked for or looked for, and
 only once; on a machine without it nothing Ascend is touched.
 
+:func:`place` turns a device setting (``rollout.device``: ``auto``, ``cpu``,
+``cuda``, ``cuda:1``, ``npu``, ...) into a torch device, and :func:`limit_memory`
+caps a process's share of it, so that a trainer and a rollout can share one
+accelerator.
+
 Used by the trainer's rank bootstrap (:func:`hpcrl.runtime.dist.pick_device`),
 the collective weight transport's groups, the rollout job's device count and
 the trainer's ``memory/peak_mb`` metric.
@@ -27,7 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Accelerator", "CPU", "CUDA", "NPU", "detect", "npu_available", "of", "visible_device_count"]
+__all__ = ["Accelerator", "CPU", "CUDA", "NPU", "detect", "limit_memory", "npu_available", "of", "place",
+           "visible_device_count"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class Accelerator:
 
     def device_count(self) -> int:
         return self.module.device_count() if self.module is not None else 0
+
+    def set_memory_fraction(self, fraction: float, device: torch.device) -> None:
+        """Cap this process's allocations on ``device`` at ``fraction`` of its memory (a no-op on the CPU)."""
+        if self.module is not None:
+            self.module.set_per_process_memory_fraction(fraction, device)
 
     def peak_memory_bytes(self) -> int:
         """Peak memory of this process: device memory allocated by torch, or on the CPU the peak resident set."""
@@ -103,6 +114,32 @@ def detect(backend: str = "auto", what: str = "backend") -> Accelerator:
     if backend == "hccl":
         raise ValueError(f"{what}: hccl requested but torch_npu/an Ascend device is not available")
     return CPU
+
+
+def place(setting: str, what: str = "device") -> torch.device:
+    """The torch device a setting names: ``auto`` (the first visible accelerator, else the CPU), ``cpu``, or an
+    accelerator kind with an optional index (``cuda``, ``cuda:1``, ``npu:0``), which must be there; ``what`` names
+    the config key in the error."""
+    kind, _, index = setting.partition(":")
+    if setting == "auto":
+        return detect("auto").device(0)
+    by_kind = {"cpu": CPU, "cuda": CUDA, "npu": NPU}
+    if kind not in by_kind or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise ValueError(f"{what}: expected auto, cpu, cuda[:N] or npu[:N], got {setting!r}")
+    if kind == "cpu":
+        return CPU.device()
+    acc = by_kind[kind]
+    available = torch.cuda.is_available() if acc is CUDA else npu_available()
+    i, n = int(index or 0), acc.device_count() if available else 0
+    if i >= n:
+        raise ValueError(f"{what}: {setting} asked for, but this process sees {n} {kind} device(s)")
+    return acc.device(i)
+
+
+def limit_memory(device: torch.device, fraction: float) -> None:
+    """Cap this process's allocations on an accelerator at ``fraction`` of its memory (0: no cap; the CPU: none)."""
+    if fraction and device.type != "cpu":
+        of(device).set_memory_fraction(fraction, device)
 
 
 def of(device: torch.device) -> Accelerator:
