@@ -18,7 +18,8 @@ its own row. A part prints one JSON object on its last line of stdout.
   head size: causal attention) over the device's dense bf16 peak.
 - ``engine``: the embedded engine (TorchEngine) decoding ``--new-tokens``
   tokens after a 128-token prompt for batches of 1, 64 and 256 requests
-  (eos off); generated tokens/s.
+  (eos off); generated tokens/s, and HF ``generate`` on the same prompts at
+  batch 1 and 64 side by side.
 - ``weights``: a weight publication over disk (DiskWeights: write the
   version, then load it into an engine on the device) and the collective
   transport's packing of the state into buckets on the device. Sending the
@@ -175,9 +176,27 @@ def decode(work: Path, args: argparse.Namespace) -> dict:
         wall = time.perf_counter() - t0
         generated = sum(len(c.output_ids) for c in out)
         assert generated == batch * args.new_tokens, (generated, batch)
-        rows.append({"batch": batch, "new_tokens": args.new_tokens, "wall_s": wall, "tokens_per_s": generated / wall})
-        print(f"batch {batch}: {generated / wall:.0f} tokens/s", file=sys.stderr, flush=True)
+        row = {"batch": batch, "new_tokens": args.new_tokens, "wall_s": wall, "tokens_per_s": generated / wall}
+        if batch in args.hf_batches:  # the same work through HF generate, side by side: what the model costs
+            row["hf_generate_tokens_per_s"] = generated / hf_generate(model, [r.prompt_ids for r in reqs],
+                                                                      args.new_tokens)
+        rows.append(row)
+        print(f"batch {batch}: {row}", file=sys.stderr, flush=True)
     return {"dtype": str(next(model.parameters()).dtype), "prompt": PROMPT, "rows": rows}
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds HF ``generate`` takes to sample ``new_tokens`` after each prompt (one batch, same lengths)."""
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0, pad_token_id=PAD)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync()
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - t0
 
 
 def weights(work: Path, args: argparse.Namespace) -> dict:
@@ -224,6 +243,8 @@ def main() -> None:
     ap.add_argument("--micro-tokens", type=int, default=8192, help="trainer.micro_batch_tokens")
     ap.add_argument("--steps", type=int, default=3, help="timed training steps (after one warm-up)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64],
+                    help="engine batches also timed through HF generate")
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(min(8, os.cpu_count() or 1))

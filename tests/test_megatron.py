@@ -386,3 +386,21 @@ def test_bfloat16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path, pp
     assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.9
     # the published weights are the float32 masters, not their bf16 rounding
     assert any(not torch.equal(v, v.bfloat16().float()) for v in b16["state"].values())
+
+
+def test_a_cpu_rank_on_a_gpu_node_keeps_megatron_core_on_the_cpu(tmp_path) -> None:
+    """trainer.backend=gloo on a node with CUDA: megatron-core's CUDA calls are redirected by the rank's device,
+    not by whether the node has CUDA (found by the device check on an H100: the rotary tables went to the GPU
+    beside a model on the CPU). CUDA's presence is a stand-in here."""
+    probe = f"""
+import os, torch, torch.distributed as dist
+torch.cuda.is_available = lambda: True
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+from hpcrl.trainer.mcore import model as M
+M.init_parallel(1, 1, device=torch.device("cpu"))
+print(torch.cuda.current_device())
+"""
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert got.returncode == 0 and got.stdout.split()[-1] == "cpu", got.stderr[-2000:]

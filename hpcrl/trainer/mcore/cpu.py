@@ -18,7 +18,7 @@ Two more are avoided where they are made: the default causal mask built on
 layer is tied to the embedding of another pipeline stage moves that weight
 before their first all-reduce (:func:`building`, around the constructor only).
 
-:func:`apply` does nothing where CUDA is available, and is idempotent. It is
+:func:`apply` does nothing for a rank on a GPU, and is idempotent. It is
 called by the megatron engine's start-up before megatron-core builds anything,
 and by nothing else: no other hpcrl process sees the redirection.
 """
@@ -35,10 +35,13 @@ log = logging.getLogger(__name__)
 _APPLIED = False
 
 
-def apply(seed: int = 1234) -> bool:
-    """Redirect megatron-core's CUDA calls to the CPU when there is no CUDA; True if it did."""
+def apply(seed: int = 1234, device: torch.device | None = None) -> bool:
+    """Redirect megatron-core's CUDA calls to the CPU when this rank trains on the CPU (``device``; None: when
+    there is no CUDA); True if it did. A CPU rank on a GPU node (``trainer.backend: gloo``) is redirected too:
+    otherwise megatron-core puts its rotary tables on the GPU beside a model on the CPU."""
     global _APPLIED
-    if torch.cuda.is_available():
+    on_cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
+    if not on_cpu:
         return False
     if not _APPLIED:
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]

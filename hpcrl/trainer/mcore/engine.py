@@ -92,7 +92,7 @@ class MegatronEngine(PolicyTrainer):
             if refused:
                 raise ValueError(why)
         self.cfg, self.algo, self.ctx, self.pad_id, self.dtype = cfg, algo, ctx, pad_id, dtype
-        self.layout = M.init_parallel(settings.tensor_parallel, settings.pipeline_parallel)
+        self.layout = M.init_parallel(settings.tensor_parallel, settings.pipeline_parallel, device=ctx.device)
         from megatron.core import parallel_state as ps
 
         self.dp_rank, self.dp_size, self.dp_group = self.layout.dp_rank, self.layout.dp, ps.get_data_parallel_group()

@@ -49,8 +49,9 @@ class Layout:
         return self.stage == self.pp - 1
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Layout:
-    """megatron-core's model-parallel groups over the current process group (world = tp * pp * dp)."""
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, device: torch.device | None = None) -> Layout:
+    """megatron-core's model-parallel groups over the current process group (world = tp * pp * dp); ``device``
+    is this rank's (the CPU: megatron-core's CUDA calls redirected, :mod:`hpcrl.trainer.mcore.cpu`)."""
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
@@ -59,7 +60,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Layout:
                          f"= {tp} x {pp}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if not cpu.apply(seed):
+    if not cpu.apply(seed, device):
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
