@@ -18,8 +18,9 @@ its own row. A part prints one JSON object on its last line of stdout.
   head size: causal attention) over the device's dense bf16 peak.
 - ``engine``: the embedded engine (TorchEngine) decoding ``--new-tokens``
   tokens after a 128-token prompt for batches of 1, 64 and 256 requests
-  (eos off); generated tokens/s, and HF ``generate`` on the same prompts at
-  batch 1 and 64 side by side.
+  (eos off), and for 256 prompts of 64 to 128 tokens (a padded cache);
+  generated tokens/s, and HF ``generate`` on the same prompts at batch 1 and
+  64 side by side.
 - ``weights``: a weight publication over disk (DiskWeights: write the
   version, then load it into an engine on the device) and the collective
   transport's packing of the state into buckets on the device. Sending the
@@ -163,12 +164,15 @@ def decode(work: Path, args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     rows = []
-    for batch in args.batches:
+    # (batch, ragged): equal 128-token prompts (no padding in the cache), and at the largest batch prompts of 64
+    # to 128 tokens too, so that the decode steps take the padded cache's attention mask
+    for batch, ragged in [*((b, False) for b in args.batches), (max(args.batches), True)]:
         engine = TorchEngine(model, eos_token_id=-1, pad_token_id=PAD, max_batch_size=batch,
                              sampling=SamplingParams(max_new_tokens=args.new_tokens))
         warm = [Request(i, rng.integers(1, vocab, PROMPT).tolist(), max_new_tokens=4) for i in range(batch)]
         engine.generate(warm)
-        reqs = [Request(i, rng.integers(1, vocab, PROMPT).tolist()) for i in range(batch)]
+        lengths = rng.integers(PROMPT // 2, PROMPT + 1, batch) if ragged else [PROMPT] * batch
+        reqs = [Request(i, rng.integers(1, vocab, int(n)).tolist()) for i, n in enumerate(lengths)]
         sync()
         t0 = time.perf_counter()
         out = engine.generate(reqs)
@@ -176,8 +180,9 @@ def decode(work: Path, args: argparse.Namespace) -> dict:
         wall = time.perf_counter() - t0
         generated = sum(len(c.output_ids) for c in out)
         assert generated == batch * args.new_tokens, (generated, batch)
-        row = {"batch": batch, "new_tokens": args.new_tokens, "wall_s": wall, "tokens_per_s": generated / wall}
-        if batch in args.hf_batches:  # the same work through HF generate, side by side: what the model costs
+        row = {"batch": batch, "ragged": ragged, "new_tokens": args.new_tokens, "wall_s": wall,
+               "tokens_per_s": generated / wall}
+        if batch in args.hf_batches and not ragged:  # the same work through HF generate, side by side
             row["hf_generate_tokens_per_s"] = generated / hf_generate(model, [r.prompt_ids for r in reqs],
                                                                       args.new_tokens)
         rows.append(row)

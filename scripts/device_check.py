@@ -203,7 +203,8 @@ def report(summary: dict) -> str:
         lines.append(f"\nembedded engine decoding ({eng['dtype']}, {eng['prompt']}-token prompts):")
         for r in eng["rows"]:
             hf = r.get("hf_generate_tokens_per_s")
-            lines.append(f"  batch {r['batch']:4d}: {r['tokens_per_s']:10.0f} generated tokens/s"
+            lines.append(f"  batch {r['batch']:4d}{', ragged' if r.get('ragged') else '        '}: "
+                         f"{r['tokens_per_s']:10.0f} generated tokens/s"
                          + (f" (HF generate {hf:.0f}, ratio {r['tokens_per_s'] / hf:.2f})" if hf else ""))
     w = steps.get("weights", {}).get("result")
     if w:

@@ -39,11 +39,13 @@ def test_the_cpu_rehearsal_runs_every_step_and_reports_what_it_measured(tmp_path
     # the same batch from the same weights: activation checkpointing and the megatron engine give FSDP2's loss
     assert steps["fsdp_ac"]["result"]["loss"] == pytest.approx(steps["fsdp"]["result"]["loss"], rel=1e-4)
     assert steps["megatron"]["result"]["loss"] == pytest.approx(steps["fsdp"]["result"]["loss"], rel=1e-4)
-    assert [r["batch"] for r in steps["engine"]["result"]["rows"]] == [1, 8]
+    rows = steps["engine"]["result"]["rows"]
+    assert [(r["batch"], r["ragged"]) for r in rows] == [(1, False), (8, False), (8, True)]
+    assert all(r["hf_generate_tokens_per_s"] > 0 for r in rows[:2]) and "hf_generate_tokens_per_s" not in rows[2]
     w = steps["weights"]["result"]
     assert w["bytes"] > 3_000_000 and w["disk_publish_s"] > 0 and w["collective_buckets"] >= 1
     report = (out / "report.txt").read_text()
-    assert "quickstart on the cpu: 20 steps" in report and "batch    8:" in report and "megatron" in report
+    assert "quickstart on the cpu: 20 steps" in report and "batch    8, ragged:" in report and "megatron" in report
 
 
 def _python312() -> str | None:

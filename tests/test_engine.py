@@ -87,6 +87,21 @@ def test_greedy_continuous_batching_matches_hf_generate():
     assert 1 < engine.stats["mean_running_batch_size"] <= 3
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_decode_mask_in_each_attention_form_matches_hf_generate(impl):
+    """Rows of different lengths (a padded cache): the decode step's own 4-D mask, boolean for sdpa and additive
+    for eager attention, gives HF generate's tokens and a full forward's logprobs."""
+    model = tiny_model(2)
+    model.config._attn_implementation = impl
+    engine = TorchEngine(model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=4,
+                         sampling=SamplingParams(max_new_tokens=8, greedy=True))
+    reqs = [Request(i, p) for i, p in enumerate(prompts(6, seed=3, lo=1, hi=12))]
+    for r, c in zip(reqs, engine.generate(reqs)):
+        assert c.output_ids == hf_greedy(model, r.prompt_ids, 8), r.id
+        ref = full_logprobs(model, r.prompt_ids, c.output_ids)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+
+
 def test_eos_stops_and_length_limit():
     model = tiny_model(2)
     # force or forbid eos by biasing the logits (weights are tied, so use a hook)
