@@ -251,8 +251,9 @@ def test_every_config_key_is_read_somewhere() -> None:
     counts as read when code outside its own config module (comments and docstrings aside) accesses it:
     ``.name``, or the string ``"name"`` (getattr, dict keys); for names that are also methods of tensors,
     paths, strings or dicts (``size``, ``partition``) an access that is not a call, and for their other
-    attributes (``dtype``, ``name``) only the qualified ``section . name`` (``cfg.model.dtype``), since
-    ``.dtype`` alone is read everywhere."""
+    attributes (``dtype``, ``name``, ``device``) only the qualified ``section . name`` (``cfg.model.dtype``), or
+    ``cfg.name`` in a file whose code names the whole key (``place(cfg.device, "rollout.device")``), since ``.dtype``
+    alone is read everywhere."""
     import torch
 
     root = Path(__file__).resolve().parents[1] / "hpcrl"
@@ -263,16 +264,18 @@ def test_every_config_key_is_read_somewhere() -> None:
     unread = []
     for cls, key, name in config_keys():
         home = Path(inspect.getsourcefile(cls)).resolve()
-        read, by_string = READ_THROUGH.get(key, name), False
+        read, by_string, named = READ_THROUGH.get(key, name), False, None
         if "." not in key:  # a top-level key (run_dir, seed...): cfg.<name>
             pattern = re.compile(r"\bcfg \. " + re.escape(read) + r"\b")
         elif read in methods:  # .partition / .size: an access that is not a call
             pattern = re.compile(r"\. " + re.escape(read) + r"\b(?! \()")
-        elif read in common:  # .dtype / .name: only the qualified form
+        elif read in common:  # .dtype / .name: the qualified form, or `.name` in a file that names the whole key
             pattern = re.compile(r"\b" + re.escape(key.rsplit(".", 2)[-2]) + r" \. " + re.escape(read) + r"\b")
+            named = re.compile(r"\bcfg \. " + re.escape(read) + r"\b")
         else:
             pattern, by_string = re.compile(r"\. " + re.escape(read) + r"\b"), True
         if not any(pattern.search(code) or (by_string and read in strings)
+                   or (named is not None and key in strings and named.search(code))
                    for path, (code, strings) in sources.items() if path != home):
             unread.append(key)
     assert not unread, f"config keys no component reads: {unread}"
