@@ -40,6 +40,7 @@ from hpcrl.sft.config import SFTConfig
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.watchdog.config import WatchdogConfig
 from hpcrl.weights.config import WeightsConfig
+from hpcrl.weights.registry import transport_spec
 
 
 class ConfigError(ValueError):
@@ -75,8 +76,8 @@ class RunConfig:
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
         if self.trainer.lora.publish == "adapter":
-            for bad, why in ((self.weights.mode != "disk", f"weights.mode={self.weights.mode} (adapters are "
-                              "published on disk, where a server loads them from)"),
+            for bad, why in ((not transport_spec(self.weights.mode).adapters, f"weights.mode={self.weights.mode} "
+                              "(it does not publish adapters alone, for a server to load)"),
                              (bool(self.init.checkpoint), "init.checkpoint (--from: this run's initial model holds "
                               "the source's adapters merged, and the adapters would be applied twice)"),
                              (engine_spec(self.rollout.engine).adapters(self.trainer.lora.rank) is not None,

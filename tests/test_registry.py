@@ -1,4 +1,4 @@
-"""The registries (rollout engines, train engines, reward scorers): choices, errors and each engine's checks come
+"""The registries (rollout engines, train engines, reward scorers, schedulers): choices, errors and each engine's checks come
 from the registered specs, and implementations registered from outside hpcrl (``tests/toy_engines.py``) run a
 real run with no change to hpcrl."""
 
@@ -32,6 +32,21 @@ def test_the_choices_and_the_error_come_from_the_registry() -> None:
         load_config(QUICK, ["rollout.engine=json:dumps"])
     with pytest.raises(ValueError, match="registered already"):
         register_engine(EngineSpec("torch", build="x:y"))
+
+
+def test_the_schedulers_choices_and_how_their_jobs_are_reached_come_from_the_registry() -> None:
+    from hpcrl.launch.registry import PROCESS_JOBS, SCHEDULERS, SLURM_JOBS, SchedulerSpec, jobs_of
+
+    assert {"local", "slurm", "srun"} <= set(SCHEDULERS)
+    with pytest.raises(ConfigError, match=r"^launch\.scheduler: must be one of \['local', 'slurm', 'srun'"):
+        load_config(QUICK, ["launch.scheduler=pbs"])
+    assert load_config(QUICK, ["launch.scheduler=toy_engines:TOY_SCHED"]).launch.scheduler == "toy_engines:TOY_SCHED"
+    with pytest.raises(ValueError, match="jobs must be 'process' or 'slurm'"):
+        SchedulerSpec("pbs", build="x:y", jobs="pbs")
+    # a record names its kind of job; one written before records did is read through its scheduler
+    assert jobs_of({"scheduler": "slurm"}) == SLURM_JOBS and jobs_of({"scheduler": "srun"}) == PROCESS_JOBS
+    assert jobs_of({"scheduler": "a_plugin:NOT_IMPORTED", "jobs": SLURM_JOBS}) == SLURM_JOBS
+    assert jobs_of({}) == PROCESS_JOBS
 
 
 def test_each_engine_checks_what_it_cannot_do() -> None:
@@ -119,9 +134,11 @@ def test_the_scorer_comes_from_the_reward_registry(monkeypatch) -> None:
 @pytest.mark.slow
 def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
     """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY trainer.engine=toy_engines:TOY_TRAIN
-    reward.scorer=toy_engines:CountingScorer``: the rollout and trainer processes build the toy engines and the
-    scorer through the registries and drive them through the real loops; the run completes and its audit is
-    clean."""
+    reward.scorer=toy_engines:CountingScorer launch.scheduler=toy_engines:TOY_SCHED
+    weights.mode=toy_engines:TOY_WEIGHTS``: the supervisor starts the components through the toy scheduler, the
+    trainer publishes through the toy transport, the rollout and trainer processes build the toy engines and the scorer
+    through the registries and drive them through the real loops; the run completes, its audit is clean, and
+    ``status`` reads its jobs without importing the plugin."""
     run, cache = tmp_path / "run", tmp_path / "cache"
     scored = tmp_path / "scored"
     scored.mkdir()
@@ -133,7 +150,8 @@ def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
                           "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4",
                           "rollout.max_batch_size=8", "rollout.max_new_tokens=4", "trainer.total_steps=6",
                           "eval.every_steps=0", "eval.size=40", "rollout.engine=toy_engines:TOY",
-                          "trainer.engine=toy_engines:TOY_TRAIN", "reward.scorer=toy_engines:CountingScorer"],
+                          "trainer.engine=toy_engines:TOY_TRAIN", "reward.scorer=toy_engines:CountingScorer",
+                          "launch.scheduler=toy_engines:TOY_SCHED", "weights.mode=toy_engines:TOY_WEIGHTS"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = [json.loads(p.read_text()) for p in (run / "logs").glob("*.toy.json")]
@@ -144,3 +162,32 @@ def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
     assert items >= 6 * 4 * 4  # the rollout scored every sample it published through the plugin
     rep = audit(run)
     assert rep.ok and rep.steps == 6, rep.violations
+    # the scheduler started every component, and the run's job records say how status and a take-over reach them
+    assert sorted(json.loads((run / "logs" / "toy_scheduler.json").read_text())) == ["rollout-0", "trainer-r0"]
+    records = json.loads((run / "jobs" / "registry.json").read_text())
+    assert {(r["scheduler"], r["jobs"]) for r in records.values()} == {("toy_engines:TOY_SCHED", "process")}
+    assert "started trainer-r0 (toy pid" in out.stderr
+    published = {int(v) for v in (run / "weights" / "toy_published.txt").read_text().split()}
+    assert set(range(1, 7)) <= published, published  # the trainer published every version through the plugin
+    status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)  # no plugin import
+    assert status.returncode == 0 and "trainer-r0" in status.stdout, status.stdout + status.stderr
+
+
+def test_the_server_backends_declare_what_their_engine_specs_promise(tmp_path) -> None:
+    """``ServerBackend`` holds a backend's whole contract: an engine whose spec offers an update group has a
+    backend with ``push`` (:class:`PushesWeights`), the others have none, and a RemoteEngine refuses a group for
+    a backend that cannot take it."""
+    from hpcrl.plugins import resolve
+    from hpcrl.rollout.engine import SamplingParams
+    from hpcrl.rollout.remote_engine import PushesWeights, RemoteEngine
+
+    servers = [s for s in ENGINES.values() if s.server and s.backend]
+    assert {s.name for s in servers} >= {"vllm", "sglang"}
+    for spec in servers:
+        backend = resolve(spec.backend, "rollout.engine")()
+        assert isinstance(backend, PushesWeights) == spec.update_group, spec.name
+        assert callable(backend.server_command) and callable(backend.prepare) and backend.health_path
+    vllm = resolve(engine_spec("vllm").backend, "rollout.engine")()
+    with pytest.raises(TypeError, match="VLLMBackend has no push"):
+        RemoteEngine(vllm, "http://127.0.0.1:9", sampling=SamplingParams(), staging_dir=tmp_path, update_group=object())

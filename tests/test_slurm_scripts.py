@@ -64,7 +64,7 @@ def test_task_layout_that_does_not_match_the_trainer_ranks_is_rejected_naming_th
     ("launch.rollout.signal_s=3600", "launch.rollout.signal_s: must be between 1 and time_min*60-1 = 3599"),
     ("launch.preempt_grace_s=0", "launch.preempt_grace_s: must be > 0"),
     ("launch.trainer.container_mounts=/a:/a", "launch.trainer.container_mounts: set container_image"),
-    ("launch.scheduler=pbs", "launch.scheduler: 'pbs' is not allowed; choose one of 'local', 'slurm', 'srun'"),
+    ("launch.scheduler=pbs", "launch.scheduler: must be one of ['local', 'slurm', 'srun'] or 'module:attr'"),
 ])
 def test_bad_resources_config_names_the_key(override: str, message: str) -> None:
     from hpcrl.config import ConfigError, load_config

@@ -3,13 +3,17 @@
 ``rollout.engine: toy_engines:TOY`` is the embedded engine behind a wrapper that counts its work and writes
 the count to the run's logs when it closes; ``trainer.engine: toy_engines:TOY_TRAIN`` is FSDP2 under another
 name that counts its steps into the metrics; ``reward.scorer: toy_engines:CountingScorer`` is the function
-scorer counting what it scored. A test sees from all three that the real processes built and drove them."""
+scorer counting what it scored; ``launch.scheduler: toy_engines:TOY_SCHED`` is the local scheduler listing what
+it started; ``weights.mode: toy_engines:TOY_WEIGHTS`` is the disk transport listing what it published. A test sees
+from all five that the real processes built and drove them."""
 
 from __future__ import annotations
 
 import json
 
+from hpcrl.launch.registry import SchedulerSpec
 from hpcrl.rollout.registry import EngineSpec
+from hpcrl.weights.registry import TransportSpec
 from hpcrl.trainer.registry import TrainEngineSpec
 
 
@@ -104,3 +108,37 @@ class CountingScorer:
         out = os.environ.get("HPCRL_TOY_SCORER_OUT")
         if out:
             Path(out, f"{os.getpid()}.json").write_text(json.dumps({"items": self.items, **self.inner.counts}))
+
+
+def build_scheduler(cfg, run_dir):
+    """The local scheduler, listing each component it starts in ``<run_dir>/logs/toy_scheduler.json``."""
+    from hpcrl.launch.scheduler import LocalScheduler
+
+    class Listing(LocalScheduler):
+        def submit(self, spec):
+            job = super().submit(spec)
+            path = run_dir / "logs" / "toy_scheduler.json"
+            started = json.loads(path.read_text()) if path.exists() else []
+            path.write_text(json.dumps([*started, spec.name]))
+            return job
+
+    return Listing()
+
+
+TOY_SCHED = SchedulerSpec("toy_sched", build=build_scheduler, job_word="toy pid")
+
+
+def open_listing(root, cfg, role, fence=None, adapter=None):
+    """The disk transport, listing each version it publishes in ``<root>/toy_published.txt``."""
+    from hpcrl.weights.transport import DiskWeights
+
+    class Listing(DiskWeights):
+        def publish(self, state_dict, version):
+            super().publish(state_dict, version)
+            with open(self.root / "toy_published.txt", "a") as f:
+                f.write(f"{version}\n")
+
+    return Listing(root, cfg, fence, adapter)
+
+
+TOY_WEIGHTS = TransportSpec("toy_weights", build=open_listing)

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hpcrl.launch.registry import scheduler_spec
+
 _MEM = re.compile(r"^\d+[KMGT]?$")
 
 
@@ -52,9 +54,10 @@ class ResourcesConfig:
 
 @dataclass
 class LaunchConfig:
-    # local: every component is a local process; slurm: each component is its own Slurm job (submitit);
-    # srun: inside an sbatch allocation (sbatch/run_async_ppo.sh), each component is an srun step in its het group
-    scheduler: Literal["local", "slurm", "srun"] = "local"
+    # hpcrl/launch/registry.py: local = every component is a local process; slurm = each component is its own
+    # Slurm job (submitit); srun = inside an sbatch allocation (sbatch/run_async_ppo.sh), each component is an srun
+    # step in its het group; or "module:attr" of a SchedulerSpec of your own
+    scheduler: str = "local"
     mode: Literal["async", "colocated"] = "async"  # async: separate trainer and rollout processes; colocated: one process alternates
     progress_interval_s: float = 5.0  # seconds between progress lines on the terminal
     shutdown_timeout_s: float = 30.0  # grace period for components to exit after the run ends
@@ -72,6 +75,7 @@ class LaunchConfig:
     takeover_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        scheduler_spec(self.scheduler, key="scheduler")
         if self.progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s: must be > 0, got {self.progress_interval_s}")
         if self.shutdown_timeout_s <= 0:

@@ -44,6 +44,7 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.ckpt.store import committed
 from hpcrl.config import RunConfig, load_saved
+from hpcrl.launch.registry import SLURM_JOBS, jobs_of
 from hpcrl.launch.takeover import job_alive, kill_job, registry
 from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
@@ -101,12 +102,12 @@ def components(run_dir: Path) -> dict[str, dict]:
     for event in _events(run_dir):
         if event.get("action") == "restart":
             restarts[event["component"]] = restarts.get(event["component"], 0) + 1
-    states = _slurm_states([str(r["job_id"]) for r in jobs.values() if r.get("scheduler") == "slurm"])
+    states = _slurm_states([str(r["job_id"]) for r in jobs.values() if jobs_of(r) == SLURM_JOBS])
     beats = read_heartbeats(run_dir)
     out = {}
     for name, rec in jobs.items():
         alive = job_alive(run_dir, dict(rec))
-        reach = "slurm" if rec.get("scheduler") == "slurm" else \
+        reach = "slurm" if jobs_of(rec) == SLURM_JOBS else \
             ("remote" if rec.get("host", socket.gethostname()) != socket.gethostname() else "local")
         state = states.get(str(rec["job_id"]), "UNKNOWN") if reach == "slurm" else \
             ("running" if alive else "ended") if reach == "local" else f"on {rec.get('host')} (not checked)"

@@ -12,7 +12,7 @@ neither torch nor transformers. In order:
    a start from another run's checkpoint (``init.checkpoint``): it verifies
    and holds the configured architecture;
 4. the components: for each, the request the scheduler would get is printed
-   (the local command line; the ``srun`` command inside an allocation; the
+   (its spec's ``describe``, :mod:`hpcrl.launch.registry`: the local command line; the ``srun`` command inside an allocation; the
    sbatch script submitit would write), and under ``launch.scheduler=slurm``
    each script is checked with ``sbatch --test-only``, which reports where
    and when Slurm would start it, or why it refuses (partition, account,
@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config import RunConfig
+from hpcrl.launch.registry import scheduler_spec
 from hpcrl.launch.scheduler import ComponentSpec
 from hpcrl.launch.supervisor import component_specs
 
@@ -119,16 +120,16 @@ def check_data(cfg: RunConfig) -> tuple[bool, str]:
     return True, "; ".join(counts)
 
 
-def request(cfg: RunConfig, spec: ComponentSpec, run_dir: Path, scratch: Path) -> tuple[bool, str]:
-    """What the scheduler would be asked for ``spec``, and (Slurm) whether it would take it (the script to test
-    is written to ``scratch``)."""
-    if cfg.launch.scheduler == "local":
-        env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
-        return True, f"{env} {' '.join(spec.argv)}".strip()
-    if cfg.launch.scheduler == "srun":
-        from hpcrl.launch.slurm import SrunScheduler
+def describe_srun(cfg: RunConfig, spec: ComponentSpec, run_dir: Path, scratch: Path) -> tuple[bool, str]:
+    """``launch.scheduler: srun``: the ``srun`` command of the component's step."""
+    from hpcrl.launch.slurm import SrunScheduler
 
-        return True, " ".join(SrunScheduler().command(spec).argv)
+    return True, " ".join(SrunScheduler().command(spec).argv)
+
+
+def describe_sbatch(cfg: RunConfig, spec: ComponentSpec, run_dir: Path, scratch: Path) -> tuple[bool, str]:
+    """``launch.scheduler: slurm``: the sbatch script submitit would write, and whether ``sbatch --test-only``
+    takes it (the script to test is written to ``scratch``)."""
     from hpcrl.launch.scheduler import SubmitRejected
     from hpcrl.launch.slurm import render_sbatch
 
@@ -153,10 +154,11 @@ def dry_run(cfg: RunConfig) -> bool:
     for what, (passed, text) in checks:
         print(f"[{'ok' if passed else 'FAIL'}] {what}: {text}")
         ok &= passed
+    scheduler = scheduler_spec(cfg.launch.scheduler)
     with tempfile.TemporaryDirectory(prefix="hpcrl-dry-run-") as tmp:
         for spec in component_specs(replace(cfg, run_dir=str(run_dir)), run_dir):
             try:
-                passed, text = request(cfg, spec, run_dir, Path(tmp))
+                passed, text = scheduler.describe_request(cfg, spec, run_dir, Path(tmp))
             except (OSError, subprocess.SubprocessError) as e:
                 passed, text = False, f"{type(e).__name__}: {e}"
             print(f"[{'ok' if passed else 'FAIL'}] {spec.name} ({cfg.launch.scheduler}): {text}")

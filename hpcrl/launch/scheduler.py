@@ -88,6 +88,11 @@ class LocalScheduler:
             return None
 
 
+def build_local(cfg, run_dir: Path) -> LocalScheduler:
+    """``launch.scheduler: local`` (:mod:`hpcrl.launch.registry`)."""
+    return LocalScheduler()
+
+
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 

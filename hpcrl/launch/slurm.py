@@ -249,6 +249,16 @@ def _slurm_message(text: str) -> str:
     return " | ".join(lines) if lines else text.strip()[-1000:]
 
 
+def build_slurm(cfg, run_dir: Path) -> SlurmScheduler:
+    """``launch.scheduler: slurm`` (:mod:`hpcrl.launch.registry`): each component its own job."""
+    return SlurmScheduler(run_dir / "logs" / "slurm", cfg.launch.slurm_state_interval_s)
+
+
+def build_srun(cfg, run_dir: Path) -> SrunScheduler:
+    """``launch.scheduler: srun`` (:mod:`hpcrl.launch.registry`): each component a step of this allocation."""
+    return SrunScheduler()
+
+
 class SrunScheduler(LocalScheduler):
     """Inside one (heterogeneous) allocation: each component an ``srun`` step of its het group."""
 

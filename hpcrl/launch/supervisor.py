@@ -3,9 +3,9 @@
 Lifecycle: build the component list from the config (trainer ranks and
 rollout replicas, or the one colocated process; under Slurm the trainer is
 one job/step whose tasks are its ranks, and every spec carries the
-resources of its component) -> choose the scheduler (``launch.scheduler``:
-local processes, a Slurm job per component, or srun steps of one
-allocation) -> submit each and record its job id in ``<run_dir>/jobs/``
+resources of its component) -> choose the scheduler (``launch.scheduler``,
+:mod:`hpcrl.launch.registry`: local processes, a Slurm job per component, or
+srun steps of one allocation) -> submit each and record its job id in ``<run_dir>/jobs/``
 (a rejected submission cancels what was already submitted) -> loop: print a
 progress line from ``logs/metrics.jsonl``, check every job -> the run ends
 when the trainer ranks exit 0 after writing ``DONE`` and, with
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import socket
 import threading
@@ -50,7 +49,9 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.config import RunConfig
 from hpcrl.runtime.net import free_port
-from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, LocalScheduler, Scheduler, log_tail, python_module
+from hpcrl.launch.registry import PROCESS_JOBS, scheduler_spec
+from hpcrl.launch.scheduler import ComponentFailed, ComponentSpec, Scheduler, log_tail, python_module
+from hpcrl.plugins import resolve
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
@@ -91,8 +92,8 @@ def _trainer_rollout_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]
     rd = ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
         return [ComponentSpec("colocated", python_module("hpcrl.colocated", *rd), logs / "colocated.log")]
-    if cfg.launch.scheduler != "local":
-        return _slurm_specs(cfg, run_dir)
+    if scheduler_spec(cfg.launch.scheduler).places_ranks:
+        return _job_specs(cfg, run_dir)
     world, port = cfg.trainer.world_size, str(free_port())
     specs = [ComponentSpec(f"trainer-r{r}", python_module("hpcrl.trainer", *rd), logs / f"trainer-r{r}.log",
                            {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
@@ -103,8 +104,9 @@ def _trainer_rollout_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]
     return specs
 
 
-def _slurm_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
-    """One trainer job/step with world_size tasks (ranks from SLURM_PROCID), one per rollout replica."""
+def _job_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    """For a scheduler that places ranks: one trainer job/step with world_size tasks (ranks from
+    SLURM_PROCID), one per rollout replica."""
     logs, rd = run_dir / "logs", ["--run-dir", str(run_dir)]
     if cfg.launch.mode == "colocated":
         return [ComponentSpec("colocated", python_module("hpcrl.colocated", *rd), logs / "colocated.log",
@@ -117,15 +119,9 @@ def _slurm_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
 
 
 def make_scheduler(cfg: RunConfig, run_dir: Path) -> Scheduler:
-    if cfg.launch.scheduler == "slurm":
-        from hpcrl.launch.slurm import SlurmScheduler  # submitit only where Slurm is used
-
-        return SlurmScheduler(run_dir / "logs" / "slurm", cfg.launch.slurm_state_interval_s)
-    if cfg.launch.scheduler == "srun":
-        from hpcrl.launch.slurm import SrunScheduler
-
-        return SrunScheduler()
-    return LocalScheduler()
+    """The scheduler ``launch.scheduler`` names, built by its spec (its module imported here: submitit only
+    where Slurm is used)."""
+    return resolve(scheduler_spec(cfg.launch.scheduler).build, "launch.scheduler")(cfg, run_dir)
 
 
 class Progress:
@@ -214,7 +210,7 @@ def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
     (run_dir / "jobs").mkdir(exist_ok=True)
     for spec in component_specs(cfg, run_dir):
         jobs[spec.name] = (scheduler.submit(_stamp(spec, owner)), spec)
-        log.info("started %s (%s %s), log %s", spec.name, "pid" if cfg.launch.scheduler == "local" else "job",
+        log.info("started %s (%s %s), log %s", spec.name, scheduler_spec(cfg.launch.scheduler).job_word,
                  jobs[spec.name][0], spec.log_path)
         _write_registry(cfg, run_dir, jobs)
 
@@ -223,21 +219,21 @@ def _write_registry(cfg: RunConfig, run_dir: Path, jobs: dict) -> None:
     """Who runs what, for a take-over and ``python -m hpcrl status``; a ``srun`` step's job id is the local
     ``srun`` pid, so its allocation and step name (as ``sacct``/``squeue --steps`` show them) are added."""
     host = socket.gethostname()
-    step = {"allocation": os.environ.get("SLURM_JOB_ID")} if cfg.launch.scheduler == "srun" else {}
+    sched = scheduler_spec(cfg.launch.scheduler)
     known = registry(run_dir)
 
     def started(name: str, job, instance: str) -> dict:  # read once: the pid may be reused after it ends
-        if cfg.launch.scheduler == "slurm":
+        if sched.jobs != PROCESS_JOBS:
             return {}
         rec = known.get(name, {})
         same = str(rec.get("job_id")) == str(job) and rec.get("instance") == instance and "start_ticks" in rec
         return {"start_ticks": rec["start_ticks"] if same else start_ticks(int(job))}
 
     atomic.write_json(run_dir / "jobs" / "registry.json",
-                      {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "argv": s.argv, "tasks": s.tasks,
-                           "host": host, "epoch": int(s.env[ENV_EPOCH]), "instance": s.env[ENV_INSTANCE],
-                           **started(n, j, s.env[ENV_INSTANCE]),
-                           **({**step, "step_name": f"hpcrl-{n}"} if step else {})}
+                      {n: {"job_id": j, "scheduler": cfg.launch.scheduler, "jobs": sched.jobs, "argv": s.argv,
+                           "tasks": s.tasks, "host": host, "epoch": int(s.env[ENV_EPOCH]),
+                           "instance": s.env[ENV_INSTANCE], **started(n, j, s.env[ENV_INSTANCE]),
+                           **(sched.record(n) if sched.record else {})}
                        for n, (j, s) in jobs.items()})
 
 

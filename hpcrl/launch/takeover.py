@@ -41,6 +41,7 @@ from pathlib import Path
 
 from hpcrl.atomic import TMP_MARK
 from hpcrl.config import RunConfig
+from hpcrl.launch.registry import PROCESS_JOBS, SLURM_JOBS, jobs_of
 from hpcrl.runtime.owner import owner_record
 from hpcrl.eval.snapshots import Snapshots
 from hpcrl.spool.store import Spool
@@ -128,7 +129,8 @@ def unrecorded(run_dir: Path, epoch: int, known: dict[str, dict]) -> dict[str, d
         if (comment.startswith("hpcrl,") and fields.get("run") == "".join(str(run_dir.resolve()).split())
                 and fields.get("epoch", "").isdigit() and int(fields["epoch"]) < epoch and job_id not in known_ids):
             found[f"{fields.get('component', '?')} (job {job_id})"] = {
-                "job_id": job_id, "scheduler": "slurm", "epoch": int(fields["epoch"]), "reach": "slurm"}
+                "job_id": job_id, "scheduler": "slurm", "jobs": SLURM_JOBS, "epoch": int(fields["epoch"]),
+                "reach": "slurm"}
     known_ids |= {rec["job_id"] for rec in found.values()}
     names = {str(run_dir), str(run_dir.resolve())}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -144,7 +146,8 @@ def unrecorded(run_dir: Path, epoch: int, known: dict[str, dict]) -> dict[str, d
                 or known_ids & {pid, fields[2], job}):
             continue
         found[f"{' '.join(args[1:3])} (pid {pid})"] = {
-            "job_id": int(pid), "scheduler": "local", "epoch": int(owner), "host": socket.gethostname(),
+            "job_id": int(pid), "scheduler": "local", "jobs": PROCESS_JOBS, "epoch": int(owner),
+            "host": socket.gethostname(),
             "start_ticks": int(fields[19]), "reach": "local"}
     return found
 
@@ -163,8 +166,9 @@ def _slurm_comments() -> dict[str, str]:
 
 
 def job_alive(run_dir: Path, rec: dict) -> bool:
-    """Whether the job may still run; marks ``rec["reach"]`` = "local" | "slurm" | "remote"."""
-    if rec.get("scheduler") == "slurm":
+    """Whether the job may still run; marks ``rec["reach"]`` = "local" | "slurm" | "remote" (how its kind of
+    job, :func:`hpcrl.launch.registry.jobs_of`, is reached from this host)."""
+    if jobs_of(rec) == SLURM_JOBS:
         rec["reach"] = "slurm"
         return slurm_state(str(rec["job_id"])) in _SLURM_LIVE
     pid = int(rec["job_id"])
