@@ -59,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, Literal, Mapping, Protocol, TypeVar, runtime_checkable
 
 import aiohttp
 
@@ -67,6 +67,9 @@ from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.rollout.server import EngineServerError, ServerProcess
 from hpcrl.rollout.update_group import UpdateGroup
 from hpcrl.weights.version import WeightVersion, storable_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,8 +118,18 @@ class ServerBackend(Protocol):
         """Pause (nothing is in flight), load ``path``, reset caches, set ``version``, resume."""
         ...
 
-    # a backend that can receive tensors over its own weight-update group (rollout.server_update=group) also has
-    # async push(http, url, group: UpdateGroup, state: Mapping[str, Tensor], version: int): pause, broadcast, resume
+
+
+@runtime_checkable
+class PushesWeights(Protocol):
+    """A :class:`ServerBackend` that also receives tensors over its own weight-update group
+    (``rollout.server_update=group``; its EngineSpec says ``update_group=True``)."""
+
+    async def push(self, http: aiohttp.ClientSession, url: str, group: UpdateGroup,
+                   state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Pause (nothing is in flight), broadcast ``state`` over ``group`` into the server, set ``version``,
+        resume."""
+        ...
 
 
 @dataclass
@@ -149,6 +162,8 @@ class RemoteEngine:
     def __init__(self, backend: ServerBackend, url: str, *, sampling: SamplingParams, staging_dir: Path,
                  server: ServerProcess | None = None, version: int = 0, request_timeout_s: float = 1800.0,
                  abort_retry_s: float = 0.2, coalesce: bool = True, update_group: UpdateGroup | None = None) -> None:
+        if update_group is not None and not isinstance(backend, PushesWeights):
+            raise TypeError(f"{type(backend).__name__} has no push(): it cannot take versions over an update group")
         self.backend, self.url, self.sampling, self.server = backend, url.rstrip("/"), sampling, server
         self.update_group = update_group  # in-memory versions go to the server over it instead of a staged copy
         self.coalesce = coalesce

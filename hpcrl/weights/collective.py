@@ -75,6 +75,13 @@ class _Base:
         self.store.set(_PREFIX + key, value)
 
 
+def open_collective(root: str | Path, cfg: WeightsConfig, role: str, fence: Fence | NoFence | None = None,
+                    adapter: object = None) -> "CollectiveWeights | CollectiveMember":
+    """``weights.mode: collective`` (:mod:`hpcrl.weights.registry`): the host on the trainer's rank 0, a member in
+    each rollout (``adapter`` is refused before: this transport sends whole policies)."""
+    return CollectiveWeights.host(root, cfg, fence) if role == "host" else CollectiveWeights.member(root, cfg)
+
+
 class CollectiveWeights(_Base):
     """Host side (trainer rank 0). Use :meth:`host` / :meth:`member` to build either role."""
 

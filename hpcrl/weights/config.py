@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hpcrl.weights.registry import transport_spec
+
 WEIGHTS_FILE = "model.safetensors"  # one published version's tensors, HuggingFace names
 
 
 @dataclass
 class WeightsConfig:
-    mode: Literal["disk", "collective"] = "disk"  # disk: safetensors under <run_dir>/weights/v<N>/; collective: broadcast from trainer rank 0 (hpcrl/weights/collective.py)
+    # the transport (hpcrl/weights/registry.py): disk = safetensors under <run_dir>/weights/v<N>/; collective = a
+    # broadcast from trainer rank 0 (hpcrl/weights/collective.py); or "module:attr" of a TransportSpec of your own
+    mode: str = "disk"
     keep_last: int = 3  # published versions kept on disk (older ones are deleted)
     bucket_mb: float = 64.0  # collective: size of one flat broadcast bucket (MiB)
     collective_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # collective: auto = NCCL on CUDA, HCCL on Ascend, else gloo
@@ -21,6 +25,7 @@ class WeightsConfig:
     collective_poll_s: float = 0.02  # collective: how often the host thread looks for joins and leaves, and a rollout for a new version
 
     def __post_init__(self) -> None:
+        transport_spec(self.mode, key="mode")
         if self.keep_last < 2:
             raise ValueError(f"keep_last: must be >= 2 (a rollout may still be reading the previous one), got {self.keep_last}")
         if self.bucket_mb <= 0:

@@ -37,7 +37,9 @@ from safetensors.torch import save_file
 from hpcrl import atomic
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights import adapter
+from hpcrl.plugins import resolve
 from hpcrl.weights.config import WeightsConfig
+from hpcrl.weights.registry import TRANSPORTS, transport_spec
 from hpcrl.weights.version import WEIGHTS_FILE, WeightVersion, storable_tensors, unique_tensors  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -65,12 +67,17 @@ def open_transport(root: str | Path, cfg: WeightsConfig, role: Literal["host", "
     """The transport ``weights.mode`` names: the trainer's rank 0 is the host, a rollout a member.
     ``fence``: the publisher's ownership fence, checked before a version becomes visible; ``adapter``: the
     publisher gives LoRA adapters of this PEFT config (disk mode only)."""
-    if cfg.mode == "disk":
-        return DiskWeights(root, cfg, fence, adapter)
-    if adapter is not None:
-        raise ValueError("LoRA adapters are published on disk only (weights.mode=disk)")
-    from hpcrl.weights.collective import CollectiveWeights
-    return CollectiveWeights.host(root, cfg, fence) if role == "host" else CollectiveWeights.member(root, cfg)
+    spec = transport_spec(cfg.mode)
+    if adapter is not None and not spec.adapters:
+        takers = [s.name for s in TRANSPORTS.values() if s.adapters]
+        raise ValueError(f"weights.mode={cfg.mode}: it does not publish LoRA adapters ({', '.join(takers)} does)")
+    return resolve(spec.build, "weights.mode")(root, cfg, role, fence, adapter)
+
+
+def open_disk(root: str | Path, cfg: WeightsConfig, role: Literal["host", "member"],
+              fence: Fence | NoFence | None = None, adapter: Mapping[str, Any] | None = None) -> DiskWeights:
+    """``weights.mode: disk`` (:mod:`hpcrl.weights.registry`): host and members share the run's weights folder."""
+    return DiskWeights(root, cfg, fence, adapter)
 
 
 class DiskWeights:
