@@ -13,6 +13,7 @@ batching. Useful tokens/s = sum(L_i) / wall time, for both.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -92,12 +93,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts, lengths = workload(args.requests, args.max_len, seed=0)
     useful = sum(lengths)
     print(f"{args.requests} requests, lengths mean {useful / len(lengths):.1f} max {max(lengths)}, "
           f"batch {args.batch}, device {args.device}, {args.threads} thread(s)")
+    rows = []
     for size in args.sizes:
         model = build(size, args.device, getattr(torch, args.dtype))
         params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -107,6 +110,13 @@ def main() -> None:
         print(f"{size} ({params:.2f}M params): HF generate {useful / t_hf:8.0f} useful tok/s ({t_hf:.2f} s), "
               f"TorchEngine {useful / t_en:8.0f} tok/s ({t_en:.2f} s, mean batch "
               f"{stats['mean_running_batch_size']:.1f}), ratio engine/HF {t_hf / t_en:.2f}")
+        rows.append({"size": size, "params_m": params, "hf_tokens_per_s": useful / t_hf,
+                     "engine_tokens_per_s": useful / t_en, "ratio": t_hf / t_en,
+                     "mean_batch": stats["mean_running_batch_size"]})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "useful_tokens": useful, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
