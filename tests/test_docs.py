@@ -91,3 +91,21 @@ def test_every_command_of_the_readme_tables_answers_help() -> None:
         if out.returncode != 0 or "usage:" not in out.stdout:
             failed.append(f"{' '.join(argv)} --help: exit {out.returncode}: {(out.stderr or out.stdout)[-300:]}")
     assert not failed, "\n".join(failed)
+
+
+def measured_rows() -> list[list[str]]:
+    """The cells of each row of the README's table of measurements on the CPU machine."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Measured on this 2-core CPU machine", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in table.splitlines() if line.startswith("| ")]
+    return rows[1:]  # the header
+
+
+def test_every_measured_row_names_the_file_that_holds_its_numbers() -> None:
+    """A number in the README comes from a file in bench/ that a script wrote (its path checked by the test
+    above), or from a test that asserts it (the row's command is a pytest)."""
+    rows = measured_rows()
+    assert len(rows) >= 15, rows
+    unbacked = [row[0][:60] for row in rows
+                if not re.search(r"`bench/[\w.-]+`", row[1]) and not row[-1].startswith("`pytest ")]
+    assert not unbacked, "rows whose numbers no bench/ file holds:\n" + "\n".join(unbacked)
