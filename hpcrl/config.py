@@ -36,6 +36,7 @@ from hpcrl.model.config import ModelConfig
 from hpcrl.reward.config import RewardConfig
 from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.registry import engine_spec
+from hpcrl.rollout.registry import episodes_of
 from hpcrl.sft.config import SFTConfig
 from hpcrl.trainer.config import TrainerConfig
 from hpcrl.watchdog.config import WatchdogConfig
@@ -73,6 +74,7 @@ class RunConfig:
             raise ValueError(f"algo.temperature: {self.algo.temperature} differs from rollout.temperature "
                              f"{self.rollout.temperature}; the trainer's log-probabilities must use the temperature "
                              "the rollouts sample with (set rollout.temperature alone: algo.temperature follows it)")
+        episodes_of(self).check(self)  # the episode runner's own checks (agent.fn)
         if self.eval.agent and not self.agent.fn:
             raise ValueError("eval.agent: runs the agent function on the held-out rows; set agent.fn")
         if self.trainer.lora.publish == "adapter":

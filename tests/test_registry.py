@@ -19,6 +19,7 @@ from hpcrl.rollout.registry import ENGINES, EngineSpec, engine_spec, register_en
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs/quickstart.yaml")
+AGENT = str(ROOT / "configs/agent_feedback.yaml")
 
 
 def test_the_choices_and_the_error_come_from_the_registry() -> None:
@@ -89,6 +90,23 @@ def test_a_plugin_engine_is_named_by_import_path(monkeypatch) -> None:
         load_config(QUICK, ["rollout.engine=toy_engines:TOY", "rollout.server_update=group"])
 
 
+def test_the_episode_runners_choices_and_checks_come_from_the_registry(monkeypatch) -> None:
+    from hpcrl.rollout.registry import RUNNERS, episodes_of
+
+    assert {"single_turn", "agent"} <= set(RUNNERS)
+    assert episodes_of(load_config(QUICK, [])).name == "single_turn"  # auto, without agent.fn
+    assert episodes_of(load_config(AGENT, [])).name == "agent"  # auto, with agent.fn
+    with pytest.raises(ConfigError, match="rollout.episodes: must be one of \\['agent', 'single_turn'"):
+        load_config(QUICK, ["rollout.episodes=multi"])
+    with pytest.raises(ConfigError, match="rollout.episodes: 'agent' runs the agent function; set agent.fn"):
+        load_config(QUICK, ["rollout.episodes=agent"])
+    with pytest.raises(ConfigError, match="agent.fn: set, but rollout.episodes=single_turn does not run agents"):
+        load_config(AGENT, ["rollout.episodes=single_turn"])
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    assert episodes_of(load_config(QUICK, ["rollout.episodes=toy_engines:TOY_EPISODES"])).name == \
+        "toy_engines:TOY_EPISODES"
+
+
 def test_the_train_engines_choices_checks_and_layouts_come_from_the_registry(monkeypatch) -> None:
     from hpcrl.init_from import trainer_layout, weight_layout
     from hpcrl.launch.resume import safe_to_change
@@ -135,8 +153,9 @@ def test_the_scorer_comes_from_the_reward_registry(monkeypatch) -> None:
 def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
     """``python -m hpcrl.submit ... rollout.engine=toy_engines:TOY trainer.engine=toy_engines:TOY_TRAIN
     reward.scorer=toy_engines:CountingScorer launch.scheduler=toy_engines:TOY_SCHED
-    weights.mode=toy_engines:TOY_WEIGHTS``: the supervisor starts the components through the toy scheduler, the
-    trainer publishes through the toy transport, the rollout and trainer processes build the toy engines and the scorer
+    weights.mode=toy_engines:TOY_WEIGHTS rollout.episodes=toy_engines:TOY_EPISODES``: the supervisor starts the
+    components through the toy scheduler, the trainer publishes through the toy transport, the rollout and trainer
+    processes build the toy engines, the episode runner and the scorer
     through the registries and drive them through the real loops; the run completes, its audit is clean, and
     ``status`` reads its jobs without importing the plugin."""
     run, cache = tmp_path / "run", tmp_path / "cache"
@@ -151,7 +170,8 @@ def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
                           "rollout.max_batch_size=8", "rollout.max_new_tokens=4", "trainer.total_steps=6",
                           "eval.every_steps=0", "eval.size=40", "rollout.engine=toy_engines:TOY",
                           "trainer.engine=toy_engines:TOY_TRAIN", "reward.scorer=toy_engines:CountingScorer",
-                          "launch.scheduler=toy_engines:TOY_SCHED", "weights.mode=toy_engines:TOY_WEIGHTS"],
+                          "launch.scheduler=toy_engines:TOY_SCHED", "weights.mode=toy_engines:TOY_WEIGHTS",
+                          "rollout.episodes=toy_engines:TOY_EPISODES"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = [json.loads(p.read_text()) for p in (run / "logs").glob("*.toy.json")]
@@ -160,6 +180,8 @@ def test_a_run_with_engines_registered_outside_hpcrl(tmp_path: Path) -> None:
     assert steps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], steps
     items = sum(json.loads(p.read_text())["items"] for p in scored.glob("*.json"))
     assert items >= 6 * 4 * 4  # the rollout scored every sample it published through the plugin
+    episodes = sum(int(p.read_text()) for p in scored.glob("*.episodes"))
+    assert episodes >= 6 * 4 * 4  # ... and made every one through the plugin runner
     rep = audit(run)
     assert rep.ok and rep.steps == 6, rep.violations
     # the scheduler started every component, and the run's job records say how status and a take-over reach them

@@ -3,8 +3,8 @@
 A part is a subpackage (``hpcrl/rollout/``), a top-level module (``hpcrl/prepare.py``), or the
 configuration layer (``hpcrl/config.py``, every ``*/config.py``: the typed dataclasses the root config
 composes, and every ``*/registry.py``: the choices they validate against). The entry points of the component processes (``*/main.py``, ``*/__main__.py``,
-``hpcrl/colocated.py``) are the composition roots: they wire the parts together (the rollout job's picks
-the agent's episode runner when ``agent.fn`` is set) and may import any part, and no part imports them.
+``hpcrl/colocated.py``) are the composition roots: they wire the parts together (the rollout job builds
+the episode runner that ``rollout.episodes`` names) and may import any part, and no part imports them.
 Every import counts, those inside functions and under ``TYPE_CHECKING`` too: a dependency is a dependency
 wherever it is written. A registry's ``"module:attr"`` strings are not imports: they name implementations
 that a component imports when it builds one (:mod:`hpcrl.plugins`), the way a config names a plugin.

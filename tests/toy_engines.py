@@ -4,8 +4,9 @@
 the count to the run's logs when it closes; ``trainer.engine: toy_engines:TOY_TRAIN`` is FSDP2 under another
 name that counts its steps into the metrics; ``reward.scorer: toy_engines:CountingScorer`` is the function
 scorer counting what it scored; ``launch.scheduler: toy_engines:TOY_SCHED`` is the local scheduler listing what
-it started; ``weights.mode: toy_engines:TOY_WEIGHTS`` is the disk transport listing what it published. A test sees
-from all five that the real processes built and drove them."""
+it started; ``weights.mode: toy_engines:TOY_WEIGHTS`` is the disk transport listing what it published;
+``rollout.episodes: toy_engines:TOY_EPISODES`` is the single-turn runner counting the episodes it finished. A test
+sees from all six that the real processes built and drove them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 
 from hpcrl.launch.registry import SchedulerSpec
 from hpcrl.rollout.registry import EngineSpec
+from hpcrl.rollout.registry import EpisodeSpec
 from hpcrl.weights.registry import TransportSpec
 from hpcrl.trainer.registry import TrainEngineSpec
 
@@ -142,3 +144,31 @@ def open_listing(root, cfg, role, fence=None, adapter=None):
 
 
 TOY_WEIGHTS = TransportSpec("toy_weights", build=open_listing)
+
+
+def build_episodes(cfg, engine, tokenizer, reward, model_path):
+    """The single-turn runner, writing how many episodes it finished to ``$HPCRL_TOY_SCORER_OUT/<pid>.episodes``
+    when it closes."""
+    import os
+    from pathlib import Path
+
+    from hpcrl.rollout.episodes import SingleTurn
+
+    class CountingEpisodes(SingleTurn):
+        count = 0
+
+        def finished(self):
+            done = super().finished()
+            self.count += len(done)
+            return done
+
+        def close(self):
+            super().close()
+            out = os.environ.get("HPCRL_TOY_SCORER_OUT")
+            if out:
+                Path(out, f"{os.getpid()}.episodes").write_text(str(self.count))
+
+    return CountingEpisodes(engine, tokenizer, reward)
+
+
+TOY_EPISODES = EpisodeSpec("toy_episodes", build=build_episodes)

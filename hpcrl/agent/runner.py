@@ -52,7 +52,7 @@ from hpcrl.reward.runner import RewardResult, load_function, to_reward
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 from hpcrl.rollout.episodes import Episode, EpisodeKey
 
-__all__ = ["AgentEpisodes", "AgentFn", "load_agent_fn"]
+__all__ = ["AgentEpisodes", "AgentFn", "build_agent_episodes", "load_agent_fn"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ def load_agent_fn(path: str) -> AgentFn:
         raise ValueError(f"agent.fn: {path!r} must be an async function "
                          "(async def f(data, *, base_url, api_key) -> float)")
     return fn
+
+
+def build_agent_episodes(cfg, engine: InferenceEngine, tokenizer, reward, model_path: str) -> "AgentEpisodes":
+    """``rollout.episodes: agent`` (:mod:`hpcrl.rollout.registry`): each sample is an episode of ``agent.fn``
+    against this job's proxy; the agent's own reward replaces ``reward``."""
+    return AgentEpisodes(engine, tokenizer, cfg.agent, load_agent_fn(cfg.agent.fn),
+                         max_tokens=cfg.rollout.max_new_tokens, limits=ModelLimits.of_dir(model_path))
 
 
 class AgentEpisodes:

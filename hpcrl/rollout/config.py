@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hpcrl.rollout.registry import engine_spec
+from hpcrl.rollout.registry import AUTO, engine_spec, runner_spec
 
 
 @dataclass
@@ -14,6 +14,10 @@ class RolloutConfig:
     # tests); vllm / sglang = a server the rollout job starts on its node(s) and drives over HTTP (docs/engine.md);
     # or "module:attr" of an EngineSpec of your own
     engine: str = "torch"
+    # what one sample is (hpcrl/rollout/registry.py): single_turn = one completion of the prompt; agent = an episode
+    # of agent.fn against the job's proxy; auto = agent when agent.fn is set, else single_turn; or "module:attr" of
+    # an EpisodeSpec of your own
+    episodes: str = "auto"
     # vllm/sglang: drive this running server instead of starting one ("" = start one); it must serve the initial
     # policy and no one else (the rollout pauses and reloads it), so replicas must be 1
     server_url: str = ""
@@ -53,6 +57,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         engine_spec(self.engine, key="engine").check(self)  # the engine's own checks (kv_on_update, server_update)
+        if self.episodes != AUTO:
+            runner_spec(self.episodes, key="episodes")  # a known choice; its checks need agent.fn (RunConfig)
         for name in ("replicas", "group_size", "max_batch_size", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

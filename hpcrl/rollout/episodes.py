@@ -3,7 +3,7 @@
 The rollout loop (:class:`hpcrl.rollout.worker.RolloutWorker`) owns
 admission, weight updates, the engine's polling, the staleness check and
 publishing; how a sample comes about is an :class:`EpisodeRunner`'s
-business. Today's implementation, :class:`SingleTurn`, makes one sample
+business (``rollout.episodes``, :mod:`hpcrl.rollout.registry`). :class:`SingleTurn` makes one sample
 out of one completion of the prompt and scores the group with the reward
 function; an agent runner makes one sample out of a multi-turn episode
 (several engine requests, tool results between them) that ends with its own
@@ -47,7 +47,7 @@ from hpcrl.data.rows import Row
 from hpcrl.reward.scorer import RewardResult, Scorer
 from hpcrl.rollout.engine import Completion, InferenceEngine, Request
 
-__all__ = ["Episode", "EpisodeKey", "EpisodeRunner", "SingleTurn"]
+__all__ = ["Episode", "EpisodeKey", "EpisodeRunner", "SingleTurn", "build_single_turn"]
 
 EpisodeKey = tuple[int, int]  # (ticket index, sample index within the group)
 
@@ -159,6 +159,11 @@ class SingleTurn:
 
     def score(self, row: Row, episodes: list[Episode]) -> list[RewardResult]:
         return self.reward.score_many([(row.prompt, e.text, {"answer": row.answer, **row.extra}) for e in episodes])
+
+
+def build_single_turn(cfg, engine: InferenceEngine, tokenizer, reward: Scorer, model_path: str) -> SingleTurn:
+    """``rollout.episodes: single_turn`` (:mod:`hpcrl.rollout.registry`)."""
+    return SingleTurn(engine, tokenizer, reward)
 
 
 def _key(request_id: Hashable) -> EpisodeKey:

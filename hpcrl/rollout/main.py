@@ -41,10 +41,10 @@ from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
-from hpcrl.model.limits import ModelLimits
+from hpcrl.plugins import resolve
 from hpcrl.reward.registry import build_scorer
 from hpcrl.rollout.engines import EngineSite, build_engine
-from hpcrl.rollout.episodes import SingleTurn
+from hpcrl.rollout.registry import episodes_of
 from hpcrl.rollout.server import EngineServerError
 from hpcrl.rollout.worker import RolloutWorker
 from hpcrl.spool.store import Spool
@@ -71,8 +71,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
         reward.close()
         raise
     try:
-        episodes = _agent_episodes(cfg, engine, tokenizer, prep.init_model) if cfg.agent.fn else \
-            SingleTurn(engine, tokenizer, reward)
+        episodes = resolve(episodes_of(cfg).build, "rollout.episodes")(cfg, engine, tokenizer, reward,
+                                                                        prep.init_model)
     except BaseException:
         engine.close()
         reward.close()
@@ -80,14 +80,6 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
                          chat_template=cfg.data.chat_template, episodes=episodes)
-
-
-def _agent_episodes(cfg: RunConfig, engine, tokenizer, model_path: str):
-    """agent.fn set: each sample is an episode of that function against this job's proxy (hpcrl.agent)."""
-    from hpcrl.agent.runner import AgentEpisodes, load_agent_fn  # fastapi/uvicorn only where agents run
-
-    return AgentEpisodes(engine, tokenizer, cfg.agent, load_agent_fn(cfg.agent.fn),
-                         max_tokens=cfg.rollout.max_new_tokens, limits=ModelLimits.of_dir(model_path))
 
 
 def run(run_dir: Path, replica: int) -> None:

@@ -16,6 +16,9 @@ An engine outside hpcrl is named by import path in the config,
 name) when the config is validated, in every process that loads it, so keep
 such a module light (import torch inside ``build``).
 
+The second registry here, :data:`RUNNERS`, maps ``rollout.episodes`` to an
+episode runner (below).
+
 This module is light (no torch): the config layer imports it.
 """
 
@@ -27,9 +30,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from hpcrl.plugins import Registry
 
 if TYPE_CHECKING:
+    from hpcrl.config import RunConfig
     from hpcrl.rollout.config import RolloutConfig
 
-__all__ = ["ENGINES", "EngineSpec", "engine_spec", "register_engine"]
+__all__ = ["AUTO", "ENGINES", "RUNNERS", "EngineSpec", "EpisodeSpec", "engine_spec", "episodes_of", "register_engine",
+           "register_runner", "runner_spec"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,47 @@ register_engine(EngineSpec("vllm", build="hpcrl.rollout.engines:build_server", s
 register_engine(EngineSpec("sglang", build="hpcrl.rollout.engines:build_server", server=True,
                            backend="hpcrl.rollout.sglang_engine:SGLangBackend", update_group=True,
                            max_adapter_rank=0, title="SGLang"))
+
+
+# -- episode runners ---------------------------------------------------------------------------------------
+# What one sample is belongs to an EpisodeRunner (hpcrl/rollout/episodes.py), built by the rollout job from the
+# EpisodeSpec that rollout.episodes names: single_turn = one completion of the prompt (SingleTurn); agent = an
+# episode of agent.fn against the job's proxy (hpcrl/agent/runner.py); auto (the default) = agent when agent.fn is
+# set, else single_turn; or "module:attr" of a spec of your own. Its build takes (cfg: RunConfig, engine,
+# tokenizer, reward: Scorer, model_path) and returns the runner; the rollout job closes it.
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    name: str
+    # (cfg: RunConfig, engine, tokenizer, reward: Scorer, model_path: str) -> EpisodeRunner, or its
+    # "module:function" (imported when a rollout job builds it)
+    build: str | Callable[..., Any]
+    agent: bool = False  # it runs agent.fn (which must then be set); a runner without it refuses agent.fn
+
+    def check(self, cfg: RunConfig) -> None:
+        """The runner's own checks of the run's config (ValueError naming the full key)."""
+        if self.agent and not cfg.agent.fn:
+            raise ValueError(f"rollout.episodes: {self.name!r} runs the agent function; set agent.fn")
+        if cfg.agent.fn and not self.agent:
+            raise ValueError(f"agent.fn: set, but rollout.episodes={self.name} does not run agents (use 'auto' or "
+                             f"{', '.join(repr(s.name) for s in RUNNERS.values() if s.agent)})")
+
+
+RUNNERS = Registry("rollout.episodes", EpisodeSpec)
+register_runner = RUNNERS.register  # make a spec a choice of rollout.episodes (within this process)
+runner_spec = RUNNERS.lookup  # the spec a value of rollout.episodes names (a registered name, or module:attr)
+
+
+def episodes_of(cfg: RunConfig) -> EpisodeSpec:
+    """The runner a run's rollout jobs build (``auto`` resolved by ``agent.fn``)."""
+    name = cfg.rollout.episodes
+    if name == AUTO:
+        name = "agent" if cfg.agent.fn else "single_turn"
+    return runner_spec(name)
+
+
+register_runner(EpisodeSpec("single_turn", build="hpcrl.rollout.episodes:build_single_turn"))
+register_runner(EpisodeSpec("agent", build="hpcrl.agent.runner:build_agent_episodes", agent=True))

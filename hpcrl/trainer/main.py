@@ -60,7 +60,7 @@ from hpcrl.trainer.feed import BatchFeed
 from hpcrl.trainer.engine import TrainEngine, build_train_engine
 from hpcrl.trainer.report import Reporter
 from hpcrl.weights.adapter import adapter_merger, peft_config
-from hpcrl.weights.transport import DiskWeights, open_transport
+from hpcrl.weights.transport import WeightTransport, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,10 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             raise Preempted(f"{why} after step {version + 1}")
 
 
+def _rank0_publishes(state: Mapping[str, torch.Tensor], version: int) -> None:
+    raise RuntimeError("only the trainer's rank 0 publishes weights")
+
+
 def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
                wait: Callable[[], None] | None) -> list[TrajectoryGroup]:
     """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank."""
@@ -158,7 +162,7 @@ def counters(feed: BatchFeed | None, reporter: Reporter | None) -> dict:
 
 
 def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: Checkpointer,
-           feed: BatchFeed | None, reporter: Reporter | None, weights: DiskWeights,
+           feed: BatchFeed | None, reporter: Reporter | None, weights: WeightTransport | None,
            fence: Fence | NoFence | None = None) -> int:
     """Restore the newest valid checkpoint (if any) and reconcile the run directory; the start version."""
     fence = fence or NoFence()
@@ -215,7 +219,7 @@ def _run(run_dir: Path) -> None:
     published_adapter = (peft_config(lora.rank, lora.alpha, lora.target_modules, prep.init_model)
                          if lora.publish == "adapter" else None)
     weights = (open_transport(run_dir / "weights", cfg.weights, "host", fence, published_adapter)
-               if ctx.is_main else DiskWeights(run_dir / "weights", cfg.weights))  # only rank 0 publishes
+               if ctx.is_main else None)  # only rank 0 publishes
     if reporter:
         reporter.published = weights.published_file
     if reporter and published_adapter is not None:  # evaluation takes the whole policy: base + adapters merged
@@ -232,8 +236,8 @@ def _run(run_dir: Path) -> None:
 
     try:
         start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights, fence)
-        train_loop(cfg, ctx, engine, feed, reporter, weights.publish, wait=wait, heartbeat=heartbeat,
-                   checkpointer=checkpointer, start_version=start, preempt=preempt, fence=fence)
+        train_loop(cfg, ctx, engine, feed, reporter, weights.publish if weights else _rank0_publishes, wait=wait,
+                   heartbeat=heartbeat, checkpointer=checkpointer, start_version=start, preempt=preempt, fence=fence)
         if ctx.is_main:
             fence.check("DONE")
             atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
@@ -244,7 +248,8 @@ def _run(run_dir: Path) -> None:
             request_slurm_requeue()
         raise SystemExit(EXIT_REQUEUE) from None
     finally:
-        weights.close()
+        if weights:
+            weights.close()
         if reporter:
             reporter.close()
         if runner:

@@ -25,18 +25,16 @@ from collections.abc import Mapping
 import torch
 
 from hpcrl.trainer.feed import BatchFeed, lost_policy_reason
-from hpcrl.weights.transport import DiskWeights
+from hpcrl.weights.transport import WeightTransport
 
 log = logging.getLogger(__name__)
 
 
-def reconcile(version: int, feed: BatchFeed, weights: DiskWeights,
+def reconcile(version: int, feed: BatchFeed, weights: WeightTransport,
               state_dict: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Undo everything past ``version``; returns counts of what was done."""
     spool = feed.spool
-    stale_versions = [p for p in weights.root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) > version]
-    for p in stale_versions:
-        shutil.rmtree(p, ignore_errors=True)
+    weights_removed = weights.discard_after(version)
     weights.publish(state_dict, version)
     released = spool.release_claimed()
     for step, entries in spool.trained().items():
@@ -46,7 +44,7 @@ def reconcile(version: int, feed: BatchFeed, weights: DiskWeights,
     lost = [e for e in spool.ready() if e.max_version > version]
     for entry in lost:  # checked like any file before its ticket is reissued
         feed.regenerate(entry, "lost_policy", lost_policy_reason(entry, version))
-    counts = {"weights_removed": len(stale_versions), "released": released, "reissued": len(lost)}
+    counts = {"weights_removed": weights_removed, "released": released, "reissued": len(lost)}
     if any(counts.values()):
         log.info("resume at version %d: %s", version, counts)
     return counts

@@ -67,6 +67,10 @@ class _Base:
         """No file: versions travel over the group."""
         return None
 
+    def discard_after(self, version: int) -> int:
+        """Nothing to withdraw: no version is kept (a restarted host holds none until it publishes)."""
+        return 0
+
     def _get(self, key: str) -> str | None:
         k = _PREFIX + key
         return self.store.get(k).decode() if self.store.check([k]) else None

@@ -59,6 +59,11 @@ class WeightTransport(Protocol):
         evaluation snapshot links it instead of writing a copy); None when it keeps none."""
         ...
 
+    def discard_after(self, version: int) -> int:
+        """Withdraw every kept version above ``version`` (a trainer resumed at ``version`` lost the steps that made
+        them: :mod:`hpcrl.trainer.reconcile`); how many were removed."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -125,6 +130,12 @@ class DiskWeights:
 
     def locate(self, version: int) -> WeightVersion:
         return WeightVersion(version, path=self.version_dir(version))
+
+    def discard_after(self, version: int) -> int:
+        newer = [p for p in self.root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) > version]
+        for p in newer:
+            shutil.rmtree(p, ignore_errors=True)
+        return len(newer)
 
     def close(self) -> None:
         """Nothing to release: every version is a file."""
