@@ -10,6 +10,10 @@
 * only admitted work: no trained group and no drop record for a ticket that
   was never admitted, and every trained group holds its ticket's dataset
   position (``admission/meta.json`` maps tickets to positions);
+* truthful rewards: no trained sample's reward comes from a scoring that
+  failed for the scorer's own reasons (``reward_status`` ``infra_error``:
+  such a sample has no reward, and a 0 in its place would be a lie); the
+  count of trained samples by reward status is reported;
 * evaluation (``eval.mode: component``, once the run is closed): every due
   version has a record in ``logs/eval.jsonl``, no snapshot was recorded
   twice, and none is left pending.
@@ -44,6 +48,7 @@ class AuditReport:
     dropped: int = 0
     unfinished: int = 0  # admitted, neither trained nor dropped (in flight or waiting when the run stopped)
     evaluations: int = 0  # records in logs/eval.jsonl (eval.mode: component)
+    reward_status: dict[str, int] = field(default_factory=dict)  # trained samples by the status of their reward
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -64,6 +69,11 @@ def audit(run_dir: str | Path) -> AuditReport:
             group = read_group(entry.path)
             trained[group.ticket] += 1
             rep.trained_groups += 1
+            statuses = group.meta.get("reward_status") or []
+            for status in statuses:
+                rep.reward_status[status] = rep.reward_status.get(status, 0) + 1
+            if "infra_error" in statuses:
+                rep.violations.append(f"{entry.name}: trained with rewards whose scoring failed (infra_error)")
             if position is not None:
                 want = position(group.ticket)
                 got = (group.meta.get("epoch"), group.meta.get("row"))

@@ -2,7 +2,8 @@
 # A real single-host Slurm cluster for hpcrl's tests: `start`, `stop`, `status`.
 #
 # start: installs Debian's Slurm (slurmctld, slurmd, slurmdbd with MariaDB,
-#   munge) plus Open MPI/PMIx if missing, writes the configs, and starts
+#   munge) plus Open MPI/PMIx (and bubblewrap, the reward sandbox of
+#   hpcrl/reward/sandbox.py) if missing, writes the configs, and starts
 #   munged -> mariadb -> slurmdbd -> slurmctld -> two slurmd "virtual nodes"
 #   (node1, node2: heterogeneous jobs need two nodes), then waits until both
 #   nodes are idle and sacct answers. Idempotent: a daemon that is already up
@@ -21,7 +22,7 @@ CONF_DIR=/etc/slurm
 MARKER="# written by hpcrl scripts/slurm_cluster.sh"
 HOST=$(hostname -s)
 DB_PASS=hpcrl-slurmdbd
-PKGS=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2)
+PKGS=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap)
 
 say() { echo "[slurm_cluster] $*" >&2; }
 

@@ -22,8 +22,9 @@ from light import heavy_modules, light_command
 
 from hpcrl.audit import audit
 from hpcrl.ckpt.store import committed
+from hpcrl.config import load_saved
 from hpcrl.metrics.writer import read_metrics
-from hpcrl.spool.format import read_group
+from hpcrl.spool.format import read_group, write_group
 from hpcrl.spool.store import Spool
 
 pytestmark = pytest.mark.slow
@@ -75,6 +76,13 @@ def test_async_run_respects_staleness_and_trains_each_group_once(tmp_path, cache
     assert rep.ok, rep.violations
     assert rep.steps == 8 and rep.trained_groups == 8 * 4
     assert rep.max_token_staleness <= 1
+    assert sum(rep.reward_status.values()) == 8 * 4 * load_saved(run).rollout.group_size
+    assert set(rep.reward_status) <= {"ok", "error", "timeout", "invalid"}
+    forged = sorted(Spool(run / "spool").trained().items())[0][1][0].path  # a group trained on failed scorings
+    group = read_group(forged)
+    group.meta["reward_status"] = ["infra_error"] * len(group.samples)
+    write_group(forged, group)
+    assert any("infra_error" in v for v in audit(run).violations)
     records = read_metrics(run / "logs" / "metrics.jsonl")
     steps = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.admission.ledger import AdmissionLedger
@@ -28,7 +29,7 @@ from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import Completion, Request, SamplingParams
 from hpcrl.rollout.episodes import Episode, EpisodeRunner, SingleTurn
 from hpcrl.rollout.torch_engine import TorchEngine
-from hpcrl.rollout.worker import RolloutWorker
+from hpcrl.rollout.worker import RolloutWorker, ScoringUnavailable
 from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
 from hpcrl.weights.version import WeightVersion
@@ -119,7 +120,24 @@ class Versions:
         return WeightVersion(version, state=self.model.state_dict())
 
 
-def make_worker(tmp_path: Path, runner_cls=None, weights=None) -> tuple[RolloutWorker, Spool]:
+class FlakyScoring(SingleTurn):
+    """Single-turn episodes whose scorer fails for its own reasons (``infra_error``) on the first ``fails``
+    scorings of each group, or always."""
+
+    fails: int | None = 2
+
+    def __init__(self, engine, tokenizer) -> None:
+        super().__init__(engine, tokenizer, RewardRunner(RewardConfig()))
+        self.tries: dict[str, int] = {}
+
+    def score(self, row, episodes):
+        n = self.tries[row.prompt] = self.tries.get(row.prompt, 0) + 1
+        if self.fails is None or n <= self.fails:
+            return [RewardResult(0.0, "infra_error", "the sandbox could not start")] * len(episodes)
+        return super().score(row, episodes)
+
+
+def make_worker(tmp_path: Path, runner_cls=None, weights=None, **kwargs) -> tuple[RolloutWorker, Spool]:
     model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
                                                                      num_kv_heads=2, head_dim=16,
                                                                      intermediate_size=64))
@@ -136,7 +154,7 @@ def make_worker(tmp_path: Path, runner_cls=None, weights=None) -> tuple[RolloutW
                            engine=engine, tokenizer=tokenizer, rows=rows,
                            ledger=AdmissionLedger(tmp_path / "admission", admission, len(rows)), spool=spool,
                            reward=reward, writer="w0", episodes=runner,
-                           weights=weights(model) if weights else None)
+                           weights=weights(model) if weights else None, **kwargs)
     return worker, spool
 
 
@@ -214,6 +232,28 @@ def test_the_default_runner_is_one_trained_completion_per_sample(tmp_path) -> No
             assert s.reward in (0.0, 1.0)  # math_reward on the untrained model's text
 
 
+def test_a_group_whose_scoring_failed_is_held_and_scored_again_never_published_as_zeros(tmp_path) -> None:
+    worker, spool = make_worker(tmp_path, FlakyScoring, infra_retry_s=0.05)
+    run_to_idle(worker)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert sorted(g.ticket for g in groups) == [0, 1]
+    assert all(g.meta["reward_status"] == ["ok"] * 3 for g in groups)  # only the third scoring was published
+    assert worker.stats.samples_infra_error == 2 * 2 * 3 and worker.stats.groups_rescored == 2 * 2
+    assert worker.episodes.tries and set(worker.episodes.tries.values()) == {3}
+
+
+def test_a_scorer_failing_past_its_bound_ends_the_job_instead_of_training_zeros(tmp_path) -> None:
+    FlakyScoring.fails = None
+    try:
+        worker, spool = make_worker(tmp_path, FlakyScoring, infra_retry_s=0.02, infra_max_wait_s=0.3)
+        with pytest.raises(ScoringUnavailable, match="reward.infra_max_wait_s=0.3.*the sandbox could not start"):
+            run_to_idle(worker, timeout_s=30)
+    finally:
+        FlakyScoring.fails = 2
+    assert not spool.ready()  # nothing was published with rewards it never got
+    assert worker.release_unfinished() == 2  # graceful exit: both tickets go back to the ledger
+
+
 def test_an_episode_with_a_turn_of_rolled_back_weights_starts_again(tmp_path) -> None:
     """The trainer resumes from an older checkpoint while episodes are between turns.
 
@@ -265,3 +305,18 @@ def test_an_episode_exported_per_request_with_a_call_of_rolled_back_weights_star
         assert all(s.versions.max() <= 1 for s in published[key]), f"episode {key} mixes lost version-2 tokens in"
     assert between_turns & set(published)
     assert worker.stats.samples_restarted >= len(between_turns)
+
+
+def test_status_shows_the_scorings_that_failed(tmp_path) -> None:
+    from hpcrl.launch.control import format_status
+
+    keys = ("step", "total_steps", "version", "reward_mean", "accuracy", "accuracy_step", "staleness_max",
+            "staleness_mean_token", "samples_per_s", "elapsed_s", "metrics_age_s", "checkpoint",
+            "tickets_admitted", "tickets_dropped", "reissues_waiting")
+    component = {"job_id": "1", "state": "running", "restarts": 0, "heartbeat_age_s": 1.0}
+    st = {"name": "r", "run_dir": str(tmp_path), "state": "running", "cancel": None, "supervisor": {"state": "none"},
+          "progress": dict.fromkeys(keys, 0), "components": {"trainer": {**component, "infra_errors": 0},
+                                                             "rollout-0": {**component, "infra_errors": 12}}}
+    assert "(infra_error; held and scored again, never trained as 0): rollout-0 12" in format_status(st)
+    st["components"]["rollout-0"]["infra_errors"] = 0
+    assert "infra_error" not in format_status(st)

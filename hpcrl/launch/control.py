@@ -117,7 +117,8 @@ def components(run_dir: Path) -> dict[str, dict]:
             f"{rec['allocation']}:{rec.get('step_name')} (srun pid {rec['job_id']})"  # a step of the allocation
         out[name] = {"job_id": job, "scheduler": rec.get("scheduler"), "host": rec.get("host"),
                      "epoch": rec.get("epoch"), "state": state, "alive": alive, "restarts": restarts.get(name, 0),
-                     "heartbeat_age_s": round(time.time() - beat["time"], 1) if "time" in beat else None}
+                     "heartbeat_age_s": round(time.time() - beat["time"], 1) if "time" in beat else None,
+                     "infra_errors": beat.get("infra_errors", 0)}  # a rollout's failed scorings (held, retried)
     return out
 
 
@@ -234,6 +235,10 @@ def format_status(st: dict) -> str:
         for name, c in st["components"].items():
             beat = "-" if c["heartbeat_age_s"] is None else f"{c['heartbeat_age_s']:.0f}s ago"
             lines.append(f"{name:<12} {c['job_id']:<10} {c['state']:<12} {c['restarts']:>8} {beat:>10}")
+    failed = {n: c["infra_errors"] for n, c in st["components"].items() if c.get("infra_errors")}
+    if failed:
+        lines.append("scorings that failed for the scorer's own reasons (infra_error; held and scored again, never "
+                     "trained as 0): " + ", ".join(f"{n} {k}" for n, k in failed.items()))
     if st["cancel"]:
         lines.append(f"cancel requested by {st['cancel'].get('user')} on {st['cancel'].get('host')} at "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st['cancel'].get('time', 0)))}")

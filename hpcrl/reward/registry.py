@@ -1,7 +1,8 @@
 """The reward registry: the one place that maps ``reward.scorer`` to a :class:`~hpcrl.reward.scorer.Scorer`.
 
-:data:`SCORERS` holds the built-in one (``function``: a user function by
-import path, :class:`~hpcrl.reward.runner.RewardRunner`); :func:`register_scorer`
+:data:`SCORERS` holds the built-in ones (``function``: a user function by
+import path, :class:`~hpcrl.reward.runner.RewardRunner`; ``code``: model-written
+programs in a sandbox, :class:`~hpcrl.reward.code.CodeScorer`); :func:`register_scorer`
 adds another, and ``reward.scorer: my_pkg.scoring:build`` names one outside
 hpcrl by import path. A scorer is built from the ``reward`` config alone.
 Light (no torch): the config layer imports it.
@@ -21,7 +22,8 @@ Scorer = Any  # hpcrl.reward.scorer.Scorer: not imported, so that the configurat
 __all__ = ["SCORERS", "build_scorer", "check_scorer", "register_scorer"]
 
 # reward.scorer -> (RewardConfig) -> Scorer, or its "module:attr" (imported where a scorer is built)
-SCORERS: dict[str, str | Callable[..., Scorer]] = {"function": "hpcrl.reward.runner:RewardRunner"}
+SCORERS: dict[str, str | Callable[..., Scorer]] = {"function": "hpcrl.reward.runner:RewardRunner",
+                                                  "code": "hpcrl.reward.code:CodeScorer"}
 
 
 def register_scorer(name: str, build: str | Callable[..., Scorer]) -> None:

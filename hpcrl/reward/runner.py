@@ -148,7 +148,7 @@ class RewardRunner:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         self._fn = load_function(cfg.fn)  # fail fast on a bad path, in both modes
-        self._counts = {s: 0 for s in STATUSES}
+        self._counts = {s: 0 for s in STATUSES if s != "infra_error"}  # infra_error: not a function call's
         self._lock = threading.Lock()
         self._warnings = _WarningLimiter()
         self._pool: _WorkerPool | None = None

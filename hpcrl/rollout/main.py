@@ -46,7 +46,7 @@ from hpcrl.reward.registry import build_scorer
 from hpcrl.rollout.engines import EngineSite, build_engine
 from hpcrl.rollout.registry import episodes_of
 from hpcrl.rollout.server import EngineServerError
-from hpcrl.rollout.worker import RolloutWorker
+from hpcrl.rollout.worker import RolloutWorker, ScoringUnavailable
 from hpcrl.spool.store import Spool
 from hpcrl.weights.transport import WeightTransport, open_transport
 
@@ -79,7 +79,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
         raise
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
-                         chat_template=cfg.data.chat_template, episodes=episodes)
+                         chat_template=cfg.data.chat_template, episodes=episodes,
+                         infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s)
 
 
 def run(run_dir: Path, replica: int) -> None:
@@ -106,7 +107,8 @@ def _run(run_dir: Path, replica: int) -> None:
     def should_stop() -> bool:
         s = worker.stats
         heartbeat.beat(writer=writer, version=worker.engine.version, groups=s.groups_published,
-                       samples=s.samples_generated, tokens=s.tokens_generated, restarted=s.samples_restarted)
+                       samples=s.samples_generated, tokens=s.tokens_generated, restarted=s.samples_restarted,
+                       infra_errors=s.samples_infra_error)
         fence.check("generation")
         return done.exists() or preempt.requested or fence.orphaned()
 
@@ -118,6 +120,10 @@ def _run(run_dir: Path, replica: int) -> None:
             if not preempt.requested:
                 raise
             log.warning("inference server stopped during preemption (Slurm signals the whole job)")
+        except ScoringUnavailable:  # hand the work back, then fail: the watchdog restarts this job
+            worker.flush()
+            log.error("scoring is unavailable: %d unfinished groups handed back", worker.release_unfinished())
+            raise
         worker.flush()  # every finished group reaches the spool before the process goes
         if preempt.requested or fence.orphaned():
             why = "signal" if preempt.requested else "the supervisor is gone"
@@ -142,6 +148,7 @@ def write_stats(path: Path, worker: RolloutWorker, transfer=None) -> None:
     atomic.write_json(path, {**asdict(worker.stats), "wall_s": time.time() - worker.stats.started,
                              "engine": dict(engine) if engine is not None else None,
                              "episodes": dict(getattr(worker.episodes, "stats", None) or {}),
+                             "reward": dict(worker.reward.counts),
                              "transfer": asdict(transfer) if transfer is not None else None})
 
 

@@ -28,6 +28,14 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    ``max_staleness`` versions behind the weights in hand could never be
    trained (and one holding tokens of rolled-back weights must not be), so
    it is started again rather than published.
+
+A group whose scoring failed for a reason that is not its samples' (a
+result with status ``infra_error``: the reward sandbox could not start) is
+not published with those zeros: it is held and scored again, first after
+``reward.infra_retry_s`` and then at doubling intervals; while it waits the
+loop goes on. A group still failing after ``reward.infra_max_wait_s`` ends
+the job with an error (the watchdog restarts it, and its tickets are
+reissued), so a broken scorer never turns into rewards of 0.
 """
 
 from __future__ import annotations
@@ -64,9 +72,23 @@ class _Group:
     done: list[Episode | None]
 
 
+class ScoringUnavailable(RuntimeError):
+    """A group's scoring kept failing for the scorer's own reasons past ``reward.infra_max_wait_s``."""
+
+
+@dataclass
+class _Held:
+    group: _Group
+    due: float  # time.monotonic() of its next scoring
+    since: float  # of its first failed scoring
+    tries: int = 1
+
+
 @dataclass
 class RolloutStats:
     groups_published: int = 0
+    samples_infra_error: int = 0  # sample scorings that failed for the scorer's own reasons (status infra_error)
+    groups_rescored: int = 0  # groups held for such a failure and scored again
     samples_generated: int = 0
     tokens_generated: int = 0
     samples_restarted: int = 0
@@ -87,15 +109,19 @@ class RolloutStats:
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
                  rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: Scorer, writer: str,
-                 episodes: EpisodeRunner, weights: WeightTransport | None = None, chat_template: bool = False) -> None:
+                 episodes: EpisodeRunner, weights: WeightTransport | None = None, chat_template: bool = False,
+                 infra_retry_s: float = 2.0, infra_max_wait_s: float = 600.0) -> None:
         """``episodes``: what a sample is (:class:`~hpcrl.rollout.episodes.SingleTurn` scored by ``reward``, or an
-        agent's episodes); ``reward``: the job's scorer, which the job closes."""
+        agent's episodes); ``reward``: the job's scorer, which the job closes; ``infra_retry_s`` and
+        ``infra_max_wait_s``: how a group whose scoring failed is scored again (module docstring)."""
         self.cfg, self.admission = cfg, admission
         self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
         self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
         self.writer, self.chat_template = writer, chat_template
         self.episodes = episodes
         self.groups: dict[int, _Group] = {}
+        self.held: list[_Held] = []  # groups whose scoring failed (infra_error), to be scored again
+        self.infra_retry_s, self.infra_max_wait_s = infra_retry_s, infra_max_wait_s
         self.stats = RolloutStats()
         self.publisher = BackgroundPublisher(spool, self._published)
 
@@ -122,10 +148,11 @@ class RolloutWorker:
 
     def release_unfinished(self) -> int:
         """Hand the tickets of unfinished groups back to the ledger (graceful exit); returns the count."""
-        for index in self.groups:
+        indices = [*self.groups, *(h.group.ticket.index for h in self.held)]
+        for index in indices:
             self.ledger.reissue(index, f"rollout {self.writer} stopped before finishing it")
-        n, self.groups = len(self.groups), {}
-        return n
+        self.groups, self.held = {}, []
+        return len(indices)
 
     def pump(self) -> bool:
         """One iteration of the loop; False when blocked (no admission, nothing running)."""
@@ -133,6 +160,8 @@ class RolloutWorker:
         self._maybe_update_weights()
         t1 = time.perf_counter()
         self._admit()
+        if self.held:
+            self._rescore()
         t2 = time.perf_counter()
         self.stats.weights_s += t1 - t0
         self.stats.admit_s += t2 - t1
@@ -155,8 +184,10 @@ class RolloutWorker:
         return True
 
     def unfinished(self) -> int:
-        """Episodes started and not finished yet: the loop's load, whatever each one waits for."""
-        return sum(d is None for group in self.groups.values() for d in group.done)
+        """Episodes started and not finished yet, and those of groups held to be scored again: the loop's load,
+        whatever each one waits for (so a broken scorer also stops admission)."""
+        return (sum(d is None for group in self.groups.values() for d in group.done)
+                + sum(len(h.group.done) for h in self.held))
 
     # -- steps of the loop -----------------------------------------------------
     def _maybe_update_weights(self) -> None:
@@ -224,11 +255,23 @@ class RolloutWorker:
         if all(d is not None for d in group.done):
             self._publish(self.groups.pop(index))
 
-    def _publish(self, group: _Group) -> None:
+    def _rescore(self) -> None:
+        now = time.monotonic()
+        for held in [h for h in self.held if h.due <= now]:
+            self.held.remove(held)
+            self.stats.groups_rescored += 1
+            self._publish(held.group, held)
+
+    def _publish(self, group: _Group, held: _Held | None = None) -> None:
         texts = [e.text for e in group.done]
         row = group.row
         t0 = time.perf_counter()
         results = self.episodes.score(row, group.done)
+        failed = [r for r in results if r.status == "infra_error"]
+        if failed:
+            self.stats.reward_s += time.perf_counter() - t0
+            self._hold(group, held, failed)
+            return
         prompt_ids, samples, owners = spool_samples(group.ticket.index, group.prompt_ids, group.done,
                                                     [r.reward for r in results], self.engine.version)
         self.stats.reward_s += time.perf_counter() - t0
@@ -241,6 +284,23 @@ class RolloutWorker:
                                               prompt_ids=np.asarray(prompt_ids, np.int32),
                                               samples=samples, meta=meta))
         self.stats.spool_s += time.perf_counter() - t0
+
+    def _hold(self, group: _Group, held: _Held | None, failed: list) -> None:
+        """Keep a group whose scoring failed for the scorer's own reasons, to score it again later."""
+        now = time.monotonic()
+        self.stats.samples_infra_error += len(failed)
+        held = held or _Held(group, due=now, since=now, tries=0)
+        if now - held.since > self.infra_max_wait_s:
+            self.held.append(held)  # its ticket is reissued if the job exits gracefully
+            raise ScoringUnavailable(f"reward: scoring ticket {group.ticket.index} has failed for "
+                               f"{now - held.since:.0f} s (reward.infra_max_wait_s={self.infra_max_wait_s:g}), "
+                               f"{held.tries + 1} tries: {failed[0].detail}")
+        held.tries += 1
+        held.due = now + self.infra_retry_s * 2 ** (held.tries - 1)
+        self.held.append(held)
+        (log.warning if held.tries == 1 else log.info)(
+            "scoring ticket %d failed for %d of %d samples (infra_error: %s); held, scored again in %.1f s",
+            group.ticket.index, len(failed), len(group.done), failed[0].detail, held.due - now)
 
     def _published(self, group: TrajectoryGroup, seconds: float) -> None:  # on the writer thread
         self.stats.spool_write_s += seconds

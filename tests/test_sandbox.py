@@ -1,0 +1,247 @@
+"""The sandbox for model-written programs, against hostile programs (each one contained, scored 0 with its reason
+counted, and the scorer goes on), and the code scorer's judgement.
+
+Real bubblewrap (Debian's ``bubblewrap``, installed by the test command); nothing is mocked. Each program runs
+under small limits so that the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import ConfigError, load_config
+from hpcrl.reward.code import CodeScorer, extract_code, judge
+from hpcrl.reward.config import RewardConfig, SandboxConfig
+from hpcrl.reward.registry import build_scorer
+from hpcrl.reward.sandbox import Sandbox, SandboxResult, SandboxUnavailable
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = SandboxConfig(wall_s=4.0, cpu_s=1, memory_mb=256, processes=32, output_bytes=4096)
+REVERSE = json.dumps([[[[1, 2, 3]], [3, 2, 1]], [[[]], []], [[["a", "b"]], ["b", "a"]]])
+GOOD = "def f(xs):\n    return xs[::-1]\n"
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    return Sandbox(LIMITS)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    s = CodeScorer(RewardConfig(scorer="code", sandbox=LIMITS, max_workers=2))
+    yield s
+    s.close()
+
+
+def run(sandbox: Sandbox, program: str, *args: str) -> SandboxResult:
+    return sandbox.run({"main.py": program}, ["python", "/task/main.py", *args])
+
+
+def alive(marker: str) -> list[str]:
+    """Processes on this machine whose command line holds ``marker``."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_a_plain_program_runs_and_sees_only_its_own_world(sandbox: Sandbox) -> None:
+    r = run(sandbox, "import os, sys\nprint(sys.version_info[0], os.getcwd(), sorted(os.environ), os.listdir('/'))")
+    assert r.status == "ok" and r.returncode == 0, r
+    major, cwd, rest = r.stdout.decode().split(" ", 2)
+    assert major == "3" and cwd == "/tmp"
+    env, top = rest.rsplit("] [", 1)
+    assert set(eval(env + "]")) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD"}
+    assert not {"work", "root", "home"} & set(eval("[" + top))  # nothing of the run directory or $HOME
+
+
+def test_an_infinite_loop_is_stopped_by_the_cpu_limit(sandbox: Sandbox) -> None:
+    r = run(sandbox, "while True:\n    pass\n")
+    assert r.status == "signal" and "CPU-time limit" in r.detail, r
+
+
+def test_a_sleeping_program_is_stopped_by_the_wall_clock(sandbox: Sandbox) -> None:
+    t0 = time.monotonic()
+    r = run(sandbox, "import time\ntime.sleep(60)\n")
+    assert r.status == "timeout" and time.monotonic() - t0 < LIMITS.wall_s + 2, r
+
+
+def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing_behind(sandbox: Sandbox) -> None:
+    marker = "forkbomb-4711"
+    r = run(sandbox, "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                     "        time.sleep(0.01)\n", marker)
+    assert r.status in ("signal", "timeout"), r  # it keeps trying until a limit ends it
+    time.sleep(0.2)
+    assert not alive(marker), alive(marker)
+    plain = run(sandbox, "import os\nwhile True:\n    os.fork()\n")  # fork() fails at the limit: it raises
+    assert plain.status in ("exit", "output_limit") and b"BlockingIOError" in plain.stderr, plain
+
+
+def test_a_memory_bomb_fails_inside_its_limit(sandbox: Sandbox) -> None:
+    r = run(sandbox, "x = bytearray(2 * 1024**3)\n")
+    assert r.status == "exit" and b"MemoryError" in r.stderr, r
+
+
+def test_gigabytes_of_output_are_cut_off_at_once(sandbox: Sandbox) -> None:
+    t0 = time.monotonic()
+    r = run(sandbox, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n")
+    assert r.status == "output_limit" and len(r.stdout) <= LIMITS.output_bytes, r.status
+    assert time.monotonic() - t0 < 2.0
+    r = run(sandbox, "import sys\nwhile True:\n    sys.stderr.write('y' * 65536)\n")
+    assert r.status == "output_limit" and len(r.stderr) <= LIMITS.output_bytes
+
+
+def test_writes_outside_the_working_directory_reach_nothing(sandbox: Sandbox, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "spool").mkdir(parents=True)
+    os.chmod(tmp_path, 0o777)  # even a directory anyone may write to stays out of reach
+    os.chmod(run_dir, 0o777)
+    outside = [run_dir / "spool" / "evil.h5", run_dir / "DONE", Path.home() / "evil", ROOT / "evil.py",
+               Path("/usr/evil")]
+    targets = outside + [Path("/tmp/hpcrl-evil")]  # /tmp: the sandbox's own tmpfs, not the host's
+    program = ("import sys\nfor path in sys.argv[1:]:\n    try:\n        open(path, 'w').write('x')\n"
+               "        print('wrote', path)\n    except OSError as e:\n        print('refused', path, type(e).__name__)\n")
+    r = run(sandbox, program, *map(str, targets))
+    assert r.status == "ok" and r.stdout.count(b"refused") == len(outside), r.stdout
+    assert not any(p.exists() for p in targets)
+    big = run(sandbox, "open('/tmp/big', 'wb').write(b'x' * 64 * 1024**2)\n")  # over file_mb
+    assert big.status == "exit" and b"File too large" in big.stderr, big
+
+
+def test_the_runs_files_and_the_jobs_environment_are_not_readable(sandbox: Sandbox, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    secret = "hpcrl-secret-0451"
+    monkeypatch.setenv("HPCRL_TEST_SECRET", secret)
+    (tmp_path / "admin_key").write_text(secret)
+    os.chmod(tmp_path, 0o755)
+    program = ("import glob, os, sys\nout = [repr(dict(os.environ))]\n"
+               "for p in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline') + sys.argv[1:]:\n"
+               "    try:\n        out.append(open(p, 'rb').read().decode(errors='replace'))\n"
+               "    except OSError as e:\n        out.append(type(e).__name__)\nprint('\\n'.join(out))\n")
+    r = run(sandbox, program, str(tmp_path / "admin_key"), f"/proc/{os.getpid()}/environ")
+    assert r.status == "ok", r
+    assert secret not in r.stdout.decode() and "FileNotFoundError" in r.stdout.decode()
+
+
+def test_no_socket_reaches_the_jobs_ports(sandbox: Sandbox) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port, accepted = server.getsockname()[1], []
+
+    def accept() -> None:
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    program = ("import socket, sys\nfor host in ('127.0.0.1', 'localhost', '8.8.8.8'):\n    try:\n"
+               "        socket.create_connection((host, int(sys.argv[1])), timeout=1)\n        print('connected', host)\n"
+               "    except OSError as e:\n        print('refused', host, type(e).__name__)\n")
+    r = run(sandbox, program, str(port))
+    t.join()
+    server.close()
+    assert r.status == "ok" and b"connected" not in r.stdout and not accepted, (r.stdout, accepted)
+
+
+def test_killing_its_parent_or_process_group_kills_only_itself(sandbox: Sandbox) -> None:
+    program = ("import os, signal, sys\nfor pid in (int(sys.argv[1]), os.getppid(), 1, -1):\n    try:\n"
+               "        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, type(e).__name__)\n"
+               "os.killpg(0, signal.SIGKILL)\n")
+    r = run(sandbox, program, str(os.getpid()))
+    assert r.status == "signal" and "SIGKILL" in r.detail, r
+    assert run(sandbox, "print('still here')").stdout == b"still here\n"  # and this process lives on
+
+
+def test_a_daemonised_child_dies_with_its_sandbox(sandbox: Sandbox) -> None:
+    marker = "daemon-0815"
+    program = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+               "        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]])\n"
+               "    os._exit(0)\nprint('parent gone')\n")
+    r = run(sandbox, program, marker)
+    assert r.status == "ok", r
+    time.sleep(0.3)
+    assert not alive(marker), alive(marker)
+    r = run(sandbox, program.replace("print('parent gone')", "time.sleep(60)"), marker)  # parent outlives the clock
+    assert r.status == "timeout"
+    time.sleep(0.3)
+    assert not alive(marker), alive(marker)
+
+
+@pytest.mark.parametrize("response, why", [
+    ("import sys\nprint('3/3 tests passed')\nsys.exit(0)\n", "does not load: SystemExit"),
+    ("import os\nprint('#hpcrl-results#' + '{\"results\": [[\"ok\", 1], [\"ok\", 1], [\"ok\", 1]]}', flush=True)\n"
+     "os._exit(0)\n",
+     "0/3 tests passed"),
+    ("class Any:\n    def __eq__(self, other):\n        return True\ndef f(xs):\n    return Any()\n", "0/3 tests passed"),
+    ("def f(xs):\n    import sys\n    sys.exit(0)\n", "0/3 tests passed"),
+    ("def f(xs):\n    return [str(x) for x in xs[::-1]]\n", "2/3 tests passed"),
+])
+def test_tricks_score_nothing(scorer: CodeScorer, response: str, why: str) -> None:
+    r = scorer.score("reverse the list", response, {"answer": "", "tests": REVERSE})
+    assert r.reward == 0.0 and r.status == "ok" and why in r.detail, r
+
+
+def test_hostile_programs_are_scored_zero_with_their_reasons_and_the_scorer_goes_on(scorer: CodeScorer) -> None:
+    hostile = ["def f(xs):\n    while True:\n        pass\n",
+               "import os\nwhile True:\n    os.fork()\n",
+               "def f(xs):\n    return bytearray(2 * 1024**3)\n",
+               "print('x' * 10**7)\n",
+               "import os\nos.killpg(0, 9)\n"]
+    before = scorer.counts
+    results = scorer.score_many([("p", h, {"answer": "", "tests": REVERSE}) for h in hostile] +
+                                [("p", f"```python\n{GOOD}```", {"answer": "", "tests": REVERSE})])
+    assert [r.reward for r in results] == [0.0] * len(hostile) + [1.0], results
+    assert all(r.status == "ok" for r in results)
+    after = scorer.counts
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert grew["program_passed"] == 1 and grew["ok"] == 6
+    assert grew.get("program_signal", 0) >= 2 and grew.get("program_output_limit") == 1, grew
+
+
+def test_the_expression_form_and_the_judge() -> None:
+    assert extract_code("Here:\n```python\nx = 1\n```\nand\n```\ndef f(x):\n    return x\n```") == \
+        "def f(x):\n    return x"
+    assert extract_code("  x[::-1] ") == "x[::-1]"
+    ok = SandboxResult("ok", 0, b'noise\n#hpcrl-results#{"results": [["ok", 1.0], ["ok", [true, 2]]]}\n', b"", 0.0)
+    assert judge(ok, [1, [True, 2]]) == (1.0, "2/2 tests passed")
+    assert judge(ok, [1, [1, 2]])[0] == 0.0  # True is not 1
+
+
+def test_the_code_scorer_is_a_choice_of_the_config_and_counts_infra_errors(tmp_path: Path) -> None:
+    cfg = load_config(str(ROOT / "configs/quickstart.yaml"), ["reward.scorer=code", "reward.sandbox.wall_s=2"])
+    scorer = build_scorer(cfg.reward)
+    try:
+        row = {"answer": "", "tests": REVERSE, "form": "expression"}
+        assert scorer.score("p", "x[::-1]", row).reward == 1.0
+        assert scorer.score("p", "x", {"answer": ""}).status == "invalid"  # a row without tests
+        scorer.sandbox._tools["bwrap"] = "/nonexistent/bwrap"  # the sandbox cannot start: the program never ran
+        r = scorer.score("p", "x[::-1]", row)
+        assert r.status == "infra_error" and scorer.counts["infra_error"] == 1, r
+        scorer.sandbox.cfg = SandboxConfig(scratch_dir=str(tmp_path / "gone"))  # nor can it be staged
+        assert scorer.score("p", "x[::-1]", row).status == "infra_error"
+    finally:
+        scorer.close()
+    with pytest.raises(ConfigError, match="reward.sandbox.launcher: mechanism=launcher runs programs"):
+        load_config(str(ROOT / "configs/quickstart.yaml"), ["reward.sandbox.mechanism=launcher"])
+
+
+def test_a_machine_that_cannot_contain_programs_is_told_so(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap, no prlimit
+    with pytest.raises(SandboxUnavailable, match="prlimit"):
+        Sandbox(SandboxConfig())
+    (tmp_path / "prlimit").symlink_to(shutil.which("prlimit", path="/usr/bin:/bin"))
+    with pytest.raises(SandboxUnavailable, match="apt install bubblewrap"):
+        Sandbox(SandboxConfig())
