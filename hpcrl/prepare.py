@@ -21,6 +21,7 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.config import RunConfig
 from hpcrl.data.arithmetic import write_arithmetic_dataset
+from hpcrl.data.listops import write_listops_dataset
 from hpcrl.data.longtail import write_reverse_dataset
 from hpcrl.eval.measure import scorer
 from hpcrl.model.hf_io import load_tokenizer
@@ -45,6 +46,9 @@ def dataset_paths(cfg: RunConfig) -> tuple[Path, Path]:
                / f"reverse-l{d.synthetic_max_len}-a{d.synthetic_alpha}-n{d.n_train}-e{d.n_eval}-s{cfg.seed}")
         return write_reverse_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed,
                                      max_len=d.synthetic_max_len, alpha=d.synthetic_alpha)
+    if d.synthetic == "listops":
+        out = Path(d.synthetic_dir).expanduser() / f"listops-n{d.n_train}-e{d.n_eval}-s{cfg.seed}"
+        return write_listops_dataset(out, n_train=d.n_train, n_eval=d.n_eval, seed=cfg.seed)
     train = Path(d.train_path).expanduser()
     return train, Path(d.eval_path).expanduser() if d.eval_path else train
 

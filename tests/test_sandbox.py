@@ -245,3 +245,20 @@ def test_a_machine_that_cannot_contain_programs_is_told_so(tmp_path: Path, monke
     (tmp_path / "prlimit").symlink_to(shutil.which("prlimit", path="/usr/bin:/bin"))
     with pytest.raises(SandboxUnavailable, match="apt install bubblewrap"):
         Sandbox(SandboxConfig())
+
+
+def test_the_listops_code_task_is_disjoint_deterministic_and_its_references_pass(tmp_path, scorer) -> None:
+    from hpcrl.data.listops import listops_split, write_listops_dataset
+
+    train, evals = listops_split(3000, 100, seed=3)
+    assert (train, evals) == listops_split(3000, 100, seed=3)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals} and len(evals) == 100
+    assert max(len(r["answer"]) for r in train + evals) <= 48  # configs/code_listops.yaml: max_new_tokens 48
+    rows = evals[:24]
+    results = scorer.score_many([(r["prompt"], r["answer"], r) for r in rows])
+    assert [r.reward for r in results] == [1.0] * len(rows), [(r.detail, x["answer"]) for r, x in zip(results, rows)]
+    wrong = scorer.score_many([(r["prompt"], "x", r) for r in rows])  # the identity is right for none of them
+    assert sum(r.reward for r in wrong) < len(rows) / 4
+    paths = write_listops_dataset(tmp_path / "d", n_train=50, n_eval=10, seed=1)
+    assert write_listops_dataset(tmp_path / "d", n_train=50, n_eval=10, seed=1) == paths  # reused
+    assert len(paths[0].read_text().splitlines()) == 50

@@ -15,12 +15,11 @@ CLI: ``python -m hpcrl.data.arithmetic --out DIR [--n-train 20000 ...]``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.data.cache import cached_split
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +74,6 @@ def _split(n_train: int, n_eval: int, seed: int, digits: int, op: str = "+") -> 
     return train, list(eval_rows.values())
 
 
-def _jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(r) + "\n" for r in rows)
-
-
 def write_arithmetic_dataset(
     out_dir: Path, n_train: int = 20000, n_eval: int = 500, seed: int = 0, digits: int = 2, op: str = "+"
 ) -> tuple[Path, Path]:
@@ -89,26 +84,9 @@ def write_arithmetic_dataset(
         raise ValueError(f"n_train: must be >= 1, got {n_train}")
     if n_eval < 1:
         raise ValueError(f"n_eval: must be >= 1, got {n_eval}")
-    out = Path(out_dir).expanduser()
-    train_path, eval_path, meta_path = out / "train.jsonl", out / "eval.jsonl", out / "meta.json"
     meta = {"kind": kind, "format_version": FORMAT_VERSION, "n_train": n_train,
             "n_eval": n_eval, "seed": seed, "digits": digits}
-    if train_path.exists() and eval_path.exists() and meta_path.exists():
-        try:
-            if atomic.read_json(meta_path) == meta:
-                log.info("reusing %s dataset in %s", kind, out)
-                return train_path, eval_path
-        except json.JSONDecodeError:
-            log.warning("%s: unreadable meta.json, regenerating", out)
-        log.warning("%s: dataset parameters changed, regenerating", out)
-    train, evals = _split(n_train, n_eval, seed, digits, op)
-    out.mkdir(parents=True, exist_ok=True)
-    meta_path.unlink(missing_ok=True)  # uncommit before replacing the data
-    atomic.write_text(train_path, _jsonl(train))
-    atomic.write_text(eval_path, _jsonl(evals))
-    atomic.write_json(meta_path, meta)
-    log.info("wrote %d train / %d eval %s problems to %s", n_train, n_eval, kind, out)
-    return train_path, eval_path
+    return cached_split(out_dir, meta, lambda: _split(n_train, n_eval, seed, digits, op))
 
 
 def main(argv: list[str] | None = None) -> None:

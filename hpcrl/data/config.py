@@ -8,7 +8,9 @@ from typing import Literal
 
 @dataclass
 class DataConfig:
-    synthetic: Literal["none", "addition", "multiplication", "reverse"] = "none"  # build a synthetic task instead of reading train_path/eval_path (reverse: long-tailed lengths, hpcrl/data/longtail.py)
+    # build a synthetic task instead of reading train_path/eval_path (reverse: long-tailed lengths,
+    # hpcrl/data/longtail.py; listops: write a Python expression, scored by reward.scorer=code, hpcrl/data/listops.py)
+    synthetic: Literal["none", "addition", "multiplication", "reverse", "listops"] = "none"
     synthetic_dir: str = "~/.cache/hpcrl/data"  # where synthetic datasets are written (reused when present)
     synthetic_digits: int = 2  # operand digits of the synthetic arithmetic task
     synthetic_max_len: int = 24  # reverse task: longest digit string (lengths 3..max_len, P ~ (L-2)^-alpha)

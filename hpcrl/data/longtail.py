@@ -18,12 +18,11 @@ problems never appear in the training set (compared by prompt).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.data.cache import cached_split
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +70,6 @@ def write_reverse_dataset(out_dir: Path, n_train: int = 20000, n_eval: int = 500
     """Write (or reuse) ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl``; return their paths."""
     if n_train < 1 or n_eval < 1:
         raise ValueError(f"n_train: n_train and n_eval must be >= 1, got {n_train}, {n_eval}")
-    out = Path(out_dir).expanduser()
-    train_path, eval_path, meta_path = out / "train.jsonl", out / "eval.jsonl", out / "meta.json"
     meta = {"kind": "reverse", "format_version": FORMAT_VERSION, "n_train": n_train, "n_eval": n_eval,
             "seed": seed, "max_len": max_len, "alpha": alpha}
-    if train_path.exists() and eval_path.exists() and meta_path.exists():
-        try:
-            if atomic.read_json(meta_path) == meta:
-                return train_path, eval_path
-        except json.JSONDecodeError:
-            log.warning("%s: unreadable meta.json, regenerating", out)
-    train, evals = reverse_split(n_train, n_eval, seed, max_len, alpha)
-    out.mkdir(parents=True, exist_ok=True)
-    meta_path.unlink(missing_ok=True)  # uncommit before replacing the data
-    atomic.write_text(train_path, "".join(json.dumps(r) + "\n" for r in train))
-    atomic.write_text(eval_path, "".join(json.dumps(r) + "\n" for r in evals))
-    atomic.write_json(meta_path, meta)
-    log.info("wrote %d train / %d eval reversal problems (max_len %d) to %s", n_train, len(evals), max_len, out)
-    return train_path, eval_path
+    return cached_split(out_dir, meta, lambda: reverse_split(n_train, n_eval, seed, max_len, alpha))
