@@ -127,3 +127,9 @@ def test_a_cycle_is_found() -> None:
     """The check itself: a made-up graph with a loop through three parts."""
     graph = {"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"], "d": ["w"]}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_is_over_450_lines() -> None:
+    """A module that grows past this is split along its seams (the proxy's routes, submit's steps were)."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
