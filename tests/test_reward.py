@@ -337,3 +337,14 @@ def test_thread_isolation_reuses_its_threads() -> None:
             results = runner.score_many([("1+1=", "2", {"answer": "2"})] * 8)
             assert [r.reward for r in results] == [1.0] * 8
         assert threading.active_count() <= before  # no thread per call, no pool per group
+
+
+@pytest.mark.parametrize("reference, final, right", [
+    (r"\sqrt{8}", r"2\sqrt{2}", True), ("(1,2]", "(1,2)", False), (r"\{1,2\}", r"\{2,1\}", True),
+    ("3", "x=3", True), ("0.5", r"\frac{1}{2}", True), ("12", "13", False)])
+def test_the_symbolic_verifier_runs_on_the_runners_threads(reference: str, final: str, right: bool) -> None:
+    """math-verify behind reward.fn, called on the runner's worker threads (its own SIGALRM timeouts are off)."""
+    pytest.importorskip("math_verify")
+    with RewardRunner(RewardConfig(fn="hpcrl.reward.symbolic:symbolic_math_reward", timeout_s=30)) as runner:
+        result = runner.score("p", f"So the answer is $\\boxed{{{final}}}$.", {"answer": reference})
+    assert result.status == "ok" and result.reward == float(right), result
