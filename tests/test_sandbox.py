@@ -262,3 +262,30 @@ def test_the_listops_code_task_is_disjoint_deterministic_and_its_references_pass
     paths = write_listops_dataset(tmp_path / "d", n_train=50, n_eval=10, seed=1)
     assert write_listops_dataset(tmp_path / "d", n_train=50, n_eval=10, seed=1) == paths  # reused
     assert len(paths[0].read_text().splitlines()) == 50
+
+
+@pytest.mark.slow
+def test_a_code_task_run_scores_every_program_in_the_sandbox_and_passes_the_audit(tmp_path: Path) -> None:
+    """``configs/code_listops.yaml`` end to end on a small random model: the rollout job scores every sample's
+    program in its sandbox (as root it drops to nobody first), the trainer trains them, the audit is clean and
+    counts every trained sample's reward as scored, none as an infra error."""
+    import sys
+
+    from hpcrl.audit import audit
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/code_listops.yaml"),
+                          f"run_dir={run}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
+                          "model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=300", "data.n_eval=20",
+                          "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4",
+                          "rollout.max_batch_size=8", "rollout.max_new_tokens=16", "trainer.total_steps=3",
+                          "eval.every_steps=3", "eval.size=20"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = audit(run)
+    assert rep.ok and rep.steps == 3, rep.violations
+    assert rep.reward_status.get("ok", 0) >= 3 * 4 * 4 and "infra_error" not in rep.reward_status, rep.reward_status
+    stats = json.loads((run / "logs" / "rollout-0.stats.json").read_text())
+    programs = sum(v for k, v in stats["reward"].items() if k.startswith("program_"))
+    assert programs >= 3 * 4 * 4 and stats["samples_infra_error"] == 0, stats["reward"]
