@@ -135,7 +135,7 @@ def test_the_scorer_comes_from_the_reward_registry(monkeypatch) -> None:
     from hpcrl.reward.runner import RewardRunner
     from hpcrl.reward.scorer import Scorer
 
-    with pytest.raises(ConfigError, match=r"^reward\.scorer: must be one of \['function'\]"):
+    with pytest.raises(ConfigError, match=r"^reward\.scorer: must be one of \['code', 'function'\]"):
         load_config(QUICK, ["reward.scorer=docker"])
     with build_scorer(RewardConfig()) as scorer:
         assert isinstance(scorer, RewardRunner) and isinstance(scorer, Scorer)

@@ -13,7 +13,8 @@ _MEM = re.compile(r"^\d+[KMGT]?$")
 
 @dataclass
 class ResourcesConfig:
-    """What one component's Slurm job asks for (``launch.trainer.*``, ``launch.rollout.*``, ``launch.eval.*``)."""
+    """What one component's Slurm job asks for (``launch.trainer.*``, ``launch.rollout.*``, ``launch.eval.*``,
+    ``launch.reward.*``)."""
 
     nodes: int = 1  # nodes per job
     tasks_per_node: int = 0  # tasks (processes) per node; 0 = trainer.world_size / nodes for the trainer, 1 for a rollout
@@ -66,6 +67,7 @@ class LaunchConfig:
     trainer: ResourcesConfig = field(default_factory=ResourcesConfig)  # the trainer job's resources (slurm/srun)
     rollout: ResourcesConfig = field(default_factory=ResourcesConfig)  # each rollout job's resources (slurm/srun)
     eval: ResourcesConfig = field(default_factory=ResourcesConfig)  # the evaluation job's resources (eval.mode=component)
+    reward: ResourcesConfig = field(default_factory=ResourcesConfig)  # the reward service's job (reward.service=true)
     slurm_state_interval_s: float = 2.0  # seconds between sacct/squeue reads of the jobs' states
     # a component whose supervisor has not been seen for this long stops cleanly (checkpoint, exit 75), so a
     # dead login-node supervisor does not leave jobs burning an allocation; 0 = never

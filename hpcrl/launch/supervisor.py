@@ -76,7 +76,15 @@ def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
 
 
 def _specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
-    return _trainer_rollout_specs(cfg, run_dir) + _eval_specs(cfg, run_dir)
+    return _trainer_rollout_specs(cfg, run_dir) + _eval_specs(cfg, run_dir) + _reward_specs(cfg, run_dir)
+
+
+def _reward_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
+    """The reward service (``reward.service``), with the resources of ``launch.reward``."""
+    if not cfg.reward.service:
+        return []
+    return [ComponentSpec("reward", python_module("hpcrl.reward", "--run-dir", str(run_dir)),
+                          run_dir / "logs" / "reward.log", resources=cfg.launch.reward)]
 
 
 def _eval_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:

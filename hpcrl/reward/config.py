@@ -67,6 +67,11 @@ class RewardConfig:
     infra_retry_s: float = 2.0
     # ... and ends the rollout job (the watchdog restarts it) once it has failed this long: never trained as a 0
     infra_max_wait_s: float = 600.0
+    # score in a reward component of its own (python -m hpcrl.reward; a Slurm job with launch.reward's resources),
+    # which the rollouts hand their items to through the run directory (hpcrl/reward/service.py)
+    service: bool = False
+    service_wait_s: float = 30.0  # service: a rollout waits this long for its results, then holds the group
+    service_poll_s: float = 0.02  # service: how often the rollouts and the service look for new files
 
     def __post_init__(self) -> None:
         check_scorer(self.scorer, key="scorer")
@@ -77,7 +82,7 @@ class RewardConfig:
             raise ValueError(f"timeout_s: must be a finite number > 0, got {self.timeout_s!r}")
         if self.isolation not in ("thread", "process"):
             raise ValueError(f"isolation: must be one of 'thread', 'process', got {self.isolation!r}")
-        for name in ("infra_retry_s", "infra_max_wait_s"):
+        for name in ("infra_retry_s", "infra_max_wait_s", "service_wait_s", "service_poll_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")

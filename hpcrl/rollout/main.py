@@ -43,6 +43,7 @@ from hpcrl.prepared import Prepared, load_datasets, load_prepared
 from hpcrl.model.hf_io import load_tokenizer
 from hpcrl.plugins import resolve
 from hpcrl.reward.registry import build_scorer
+from hpcrl.reward.service import ServiceClient
 from hpcrl.rollout.engines import EngineSite, build_engine
 from hpcrl.rollout.registry import episodes_of
 from hpcrl.rollout.server import EngineServerError
@@ -61,7 +62,10 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path),
                                    prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
-    spool, reward = Spool(run_dir / "spool", fence=fence), build_scorer(cfg.reward)
+    spool = Spool(run_dir / "spool", fence=fence)
+    # the service's client, or the scorer itself (reward.service: the reward component scores for every rollout)
+    reward = ServiceClient(cfg.reward, run_dir, writer or f"r{replica}") if cfg.reward.service else \
+        build_scorer(cfg.reward)
     site = EngineSite(model_path=prep.init_model, dtype=cfg.model.dtype, log_dir=run_dir / "logs",
                       name=f"rollout-{writer or replica}", gpus=visible_device_count(cfg.launch.rollout.gpus_per_node),
                       on_wait=on_wait, lora_rank=cfg.trainer.lora.rank if cfg.trainer.lora.publish == "adapter" else 0)
