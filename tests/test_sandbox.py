@@ -64,6 +64,16 @@ def test_a_plain_program_runs_and_sees_only_its_own_world(sandbox: Sandbox) -> N
     assert not {"work", "root", "home"} & set(eval("[" + top))  # nothing of the run directory or $HOME
 
 
+def test_standard_input_is_given_and_cannot_block_the_caller(sandbox: Sandbox) -> None:
+    r = sandbox.run({"main.py": "import sys\nprint(sys.stdin.read()[::-1])"}, ["python", "/task/main.py"],
+                    stdin=b"abc")
+    assert r.status == "ok" and r.stdout == b"cba\n", r
+    r = sandbox.run({"main.py": "print('ignored')"}, ["python", "/task/main.py"], stdin=b"x" * 4 * 2**20)
+    assert r.status == "ok" and r.stdout == b"ignored\n", r
+    with pytest.raises(ValueError, match="plain file name"):
+        sandbox.run({"../escape.py": "x"}, ["python", "/task/main.py"])
+
+
 def test_an_infinite_loop_is_stopped_by_the_cpu_limit(sandbox: Sandbox) -> None:
     r = run(sandbox, "while True:\n    pass\n")
     assert r.status == "signal" and "CPU-time limit" in r.detail, r

@@ -112,17 +112,19 @@ class Sandbox:
 
     def run(self, files: dict[str, str | bytes], argv: list[str], stdin: bytes = b"") -> SandboxResult:
         """Run ``argv`` (``python`` as its first word is the configured interpreter) in a fresh sandbox whose
-        ``/task`` holds ``files`` (relative name -> content), read-only."""
+        ``/task`` holds ``files`` (relative name -> content), read-only; ``stdin`` is its standard input (staged
+        as a file, so a program that never reads it cannot block this call)."""
         t0 = time.perf_counter()
         for name in files:
-            if Path(name).name != name or name in (".", ".."):
-                raise ValueError(f"sandbox file {name!r}: must be a plain file name")
+            if Path(name).name != name or name in (".", "..", ".stdin"):
+                raise ValueError(f"sandbox file {name!r}: must be a plain file name (not .stdin)")
         try:
             stage = tempfile.TemporaryDirectory(prefix="hpcrl-sandbox-", dir=self.cfg.scratch_dir or None)
         except OSError as e:
             return SandboxResult("infra_error", None, b"", b"", time.perf_counter() - t0, f"cannot stage: {e}")
         with stage as task:
             try:
+                Path(task, ".stdin").write_bytes(stdin)
                 for name, content in files.items():
                     path = Path(task, name)
                     path.write_bytes(content.encode() if isinstance(content, str) else content)
@@ -132,7 +134,8 @@ class Sandbox:
                 return SandboxResult("infra_error", None, b"", b"", time.perf_counter() - t0, f"cannot stage: {e}")
             argv = [self.cfg.python if argv[0] == "python" else argv[0], *argv[1:]]
             try:
-                return self._run(task, argv, stdin, t0)
+                with open(Path(task, ".stdin"), "rb") as stdin_file:
+                    return self._run(task, argv, stdin_file, t0)
             finally:
                 os.chmod(task, 0o755)
 
@@ -168,36 +171,30 @@ class Sandbox:
             cmd += ["--setenv", key, value]
         return cmd + limited
 
-    def _run(self, task: str, argv: list[str], stdin: bytes, t0: float) -> SandboxResult:
+    def _run(self, task: str, argv: list[str], stdin, t0: float) -> SandboxResult:
         status_r, status_w = os.pipe()
         try:
-            proc = subprocess.Popen(self._command(task, argv, status_w), stdin=subprocess.PIPE if stdin else
-                                    subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(_ENV),
-                                    cwd="/", start_new_session=True, pass_fds=(status_w,), close_fds=True)
+            proc = subprocess.Popen(self._command(task, argv, status_w), stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=dict(_ENV), cwd="/", start_new_session=True,
+                                    pass_fds=(status_w,), close_fds=True)
         except OSError as e:
             os.close(status_r)
             os.close(status_w)
             return SandboxResult("infra_error", None, b"", b"", time.perf_counter() - t0, f"could not start: {e}")
         os.close(status_w)
         try:
-            outcome = self._communicate(proc, stdin, status_r)
+            outcome = self._communicate(proc, status_r)
         finally:
             _kill_group(proc)
             proc.wait()
             os.close(status_r)
         return self._result(proc, outcome, t0)
 
-    def _communicate(self, proc: subprocess.Popen, stdin: bytes, status_r: int) -> dict:
+    def _communicate(self, proc: subprocess.Popen, status_r: int) -> dict:
         """Collect stdout, stderr and bwrap's status until the program's output ends (its sandbox is gone), the
         clock runs out or the output is too long."""
         cap, deadline = self.cfg.output_bytes, time.monotonic() + self.cfg.wall_s
         out = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "why": ""}
-        if stdin:
-            try:
-                proc.stdin.write(stdin)
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
