@@ -299,3 +299,59 @@ def test_a_code_task_run_scores_every_program_in_the_sandbox_and_passes_the_audi
     stats = json.loads((run / "logs" / "rollout-0.stats.json").read_text())
     programs = sum(v for k, v in stats["reward"].items() if k.startswith("program_"))
     assert programs >= 3 * 4 * 4 and stats["samples_infra_error"] == 0, stats["reward"]
+
+
+HOSTILE = ["def f(xs):\n    while True:\n        pass\n",  # infinite loop
+           "import os\nwhile True:\n    os.fork()\n",  # fork bomb
+           "def f(xs):\n    return bytearray(2 * 1024**3)\n",  # memory bomb
+           "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",  # endless output
+           "import os\nos.killpg(0, 9)\n",  # its process group
+           "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",  # its parent
+           "open('/tmp/hpcrl-evil', 'w').write('x')\nimport os\nos._exit(0)\n",  # writes, then exits early
+           "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n",  # daemonises
+           GOOD]
+
+
+def test_hostile_programs_in_a_real_rollout_loop_score_zero_and_the_loop_goes_on(tmp_path: Path) -> None:
+    """The rollout loop (a real worker, engine, ledger and spool: ``tests/test_episodes.py``) whose samples are
+    hostile programs, scored by the code scorer in the sandbox: every group is published, the hostile ones with
+    reward 0 and the good one with 1, and the loop keeps generating after each."""
+    from test_episodes import make_worker, run_to_idle
+
+    from hpcrl.rollout.episodes import SingleTurn
+
+    class Hostile(SingleTurn):
+        """Single-turn episodes whose text is replaced by the next hostile program (the model's tokens stay)."""
+
+        def __init__(self, engine, tokenizer) -> None:
+            super().__init__(engine, tokenizer, CodeScorer(RewardConfig(scorer="code", sandbox=LIMITS)))
+            self.n = 0
+
+        offset = 0
+
+        def collect(self, completion) -> None:
+            super().collect(completion)
+            key, episode = self._done[-1]
+            episode.text, self.n = HOSTILE[(self.offset + self.n) % len(HOSTILE)], self.n + 1
+
+        def score(self, row, episodes):
+            return self.reward.score_many([(row.prompt, e.text, {"answer": "", "tests": REVERSE}) for e in episodes])
+
+        def close(self) -> None:
+            self.reward.close()
+
+    from hpcrl.spool.format import read_group
+
+    by_text: dict[str, set[float]] = {}
+    for offset in (0, 6):  # two loops of 2 groups x 3 samples: every program of HOSTILE runs
+        Hostile.offset = offset
+        worker, spool = make_worker(tmp_path / str(offset), Hostile)
+        run_to_idle(worker, timeout_s=300)
+        groups = [read_group(e.path) for e in spool.ready()]
+        assert sorted(g.ticket for g in groups) == [0, 1] and worker.episodes.n == 6  # it went on after each
+        for g in groups:
+            for text, sample in zip(g.meta["responses"], g.samples):
+                by_text.setdefault(text, set()).add(float(sample.reward))
+    assert set(by_text) == set(HOSTILE)
+    assert all(by_text[h] == {0.0} for h in HOSTILE[:-1]) and by_text[GOOD] == {1.0}, by_text
+    assert not Path("/tmp/hpcrl-evil").exists()
