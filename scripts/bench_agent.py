@@ -8,8 +8,10 @@ feedback agent (examples/agents/feedback_arithmetic.py: an answer, "wrong,
 try again", a second answer; reward 1 / 0.5 / 0). ``--example tool``
 (``configs/agent_tool.yaml``): the calculator agent
 (examples/agents/calculator_tool.py: a tool call, its result, an answer;
-reward 1 / 0). Both are trained through the rollout's OpenAI-compatible
-proxy. Reported:
+reward 1 / 0). ``--example code_tool`` (``configs/agent_code_tool.yaml``):
+the same with a Python tool run in the reward sandbox
+(examples/agents/python_tool.py). All are trained through the rollout's
+OpenAI-compatible proxy. Reported:
 
 * held-out accuracy at the start and the end: for the feedback agent the
   greedy first turn's answer; for the tool agent (``eval.agent: true`` in
@@ -44,7 +46,8 @@ from hpcrl.metrics.writer import read_evals  # noqa: E402
 from hpcrl.spool.format import read_group  # noqa: E402
 
 
-EXAMPLES = {"feedback": "configs/agent_feedback.yaml", "tool": "configs/agent_tool.yaml"}
+EXAMPLES = {"feedback": "configs/agent_feedback.yaml", "tool": "configs/agent_tool.yaml",
+            "code_tool": "configs/agent_code_tool.yaml"}
 
 
 def turns(sample) -> list[list[int]]:

@@ -123,3 +123,24 @@ def test_demonstrations_are_checked() -> None:
         tokenize_demonstration(tok, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
                                                   "content": "b"}, {"role": "user", "content": "c"},
                                                  {"role": "assistant", "content": "d"}]})
+
+
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+def test_the_python_tool_runs_the_models_program_in_the_sandbox_and_the_episode_goes_on(served) -> None:
+    """examples/agents/python_tool.py through the real proxy: a program that loops forever and one that connects
+    to a port of this machine get the sandbox's errors back, and the episode goes on to its answer."""
+    from examples.agents import python_tool
+
+    proxy, engine, url = served
+    net = "import socket as s;s.socket().connect(('127.0.0.1',22))"
+    engine.script += [f"<tool_call>{json.dumps({'name': 'py', 'arguments': {'code': code}})}</tool_call>"
+                      for code in ("while True: pass", net)] + ["42"]
+    key = proxy.open(("py", 0))
+    reward = asyncio.run(python_tool.run_agent_return_reward({"prompt": "6*7=", "answer": "42"}, base_url=url,
+                                                              api_key=key))
+    calls = proxy.close(key).calls
+    results = [m["content"] for m in calls[-1].messages if m["role"] == "tool"]
+    assert reward == 1.0 and len(calls) == 3, results
+    assert results[0].startswith("error: killed by SIGXCPU") and results[1].startswith("error: ConnectionRefused")
+    demo = python_tool.demonstration({"prompt": "37*48=", "answer": "1776"})
+    assert demo["messages"][2]["content"] == "1776" == python_tool.run_python("print(37*48)")

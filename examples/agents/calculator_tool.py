@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
 import json
 import operator
 import weakref
+from typing import Awaitable, Callable
 
 import httpx
 from openai import AsyncOpenAI
@@ -79,28 +81,40 @@ def _pool() -> httpx.AsyncClient:
 
 async def run_agent_return_reward(data: dict, *, base_url: str, api_key: str) -> float:
     """One episode for the dataset row ``data`` (``prompt`` like "37*48=", ``answer``); returns its reward."""
+    return await tool_episode(data, base_url, api_key, TOOLS, tool_result)
+
+
+async def tool_episode(data: dict, base_url: str, api_key: str, tools: list[dict],
+                       run_tool: Callable[[str, str], Awaitable[str] | str]) -> float:
+    """The episode loop of any one-tool agent: ask, run each tool call (``run_tool(name, arguments)``, plain or
+    async) and send its result back, until the model answers; 1 when the answer is ``data["answer"]``."""
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=_pool())
     messages: list[dict] = [{"role": "user", "content": data["prompt"]}]
     for _ in range(MAX_CALLS + 1):
-        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=tools)
                  ).choices[0].message
         if not reply.tool_calls:
             return 1.0 if (reply.content or "").strip() == str(data["answer"]).strip() else 0.0
         messages.append(reply.model_dump(exclude_none=True))
         for call in reply.tool_calls:
+            result = run_tool(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": tool_result(call.function.name, call.function.arguments)})
+                             "content": await result if inspect.isawaitable(result) else result})
     return 0.0  # still calling tools after MAX_CALLS
 
 
 def demonstration(data: dict) -> dict:
     """The conversation the warm start trains for ``data``: call the calculator, then answer with its result."""
     expression = data["prompt"].rstrip("=")
-    arguments = json.dumps({"expr": expression})
-    return {"tools": TOOLS, "messages": [
+    return demonstrated(data, TOOLS, "calc", {"expr": expression}, calculate(expression))
+
+
+def demonstrated(data: dict, tools: list[dict], name: str, arguments: dict, result: str) -> dict:
+    """One tool call with ``arguments``, its ``result``, then the answer: a warm start's conversation."""
+    return {"tools": tools, "messages": [
         {"role": "user", "content": data["prompt"]},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": arguments}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)},
+            {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": result},
         {"role": "assistant", "content": str(data["answer"])},
     ]}
