@@ -61,6 +61,9 @@ def test_a_service_that_is_down_gives_infra_errors_and_a_new_one_loses_nothing(t
     client = ServiceClient(cfg, tmp_path, "r0-x")
     first = client.score_many(ITEMS)  # no service yet: nothing is scored, nothing is lost
     assert [r.status for r in first] == ["infra_error"] * 3 and "reward.service_wait_s" in first[0].detail
+    t0 = time.monotonic()
+    assert client.score_many(ITEMS[:1])[0].status == "infra_error"
+    assert time.monotonic() - t0 < 0.2  # a service that let the last call down is not waited for again
     assert len(os.listdir(tmp_path / "reward" / "requests")) == 3
     scorer = RewardRunner(cfg)
     service = RewardService(tmp_path, cfg, scorer)  # the restarted service scores what is pending

@@ -60,8 +60,22 @@ def test_a_plain_program_runs_and_sees_only_its_own_world(sandbox: Sandbox) -> N
     major, cwd, rest = r.stdout.decode().split(" ", 2)
     assert major == "3" and cwd == "/tmp"
     env, top = rest.rsplit("] [", 1)
-    assert set(eval(env + "]")) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD"}
+    assert set(eval(env + "]")) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD", "SHLVL"}  # none of ours
     assert not {"work", "root", "home"} & set(eval("[" + top))  # nothing of the run directory or $HOME
+
+
+def test_a_failure_before_the_program_starts_is_the_sandboxs_and_a_program_cannot_fake_either(sandbox) -> None:
+    """Only a trusted shell, after the namespaces, mounts and limits, says "started" (on a descriptor the program
+    never holds): a sandbox that fails before it is an infra error, a program that fails is the program's."""
+    broken = Sandbox.__new__(Sandbox)
+    broken.cfg, broken._tools = SandboxConfig(open_files=10**9), sandbox._tools  # prlimit cannot set this
+    r = broken.run({"main.py": "print(1)"}, ["python", "/task/main.py"])
+    assert r.status == "infra_error" and "NOFILE" in r.detail, r
+    r = run(sandbox, "import sys\nsys.stderr.write('bwrap: Creating new namespace failed')\nsys.exit(1)\n")
+    assert r.status == "exit" and r.returncode == 1  # the program's own exit, whatever it prints
+    r = run(sandbox, "import os\nfor fd in range(3, 256):\n    try:\n        os.write(fd, b'x')\n"
+                     "        print(fd)\n    except OSError:\n        pass\n")
+    assert r.status == "ok" and r.stdout == b"", r.stdout  # no descriptor of the host's reaches it
 
 
 def test_standard_input_is_given_and_cannot_block_the_caller(sandbox: Sandbox) -> None:
@@ -119,7 +133,8 @@ def test_writes_outside_the_working_directory_reach_nothing(sandbox: Sandbox, tm
                Path("/usr/evil")]
     targets = outside + [Path("/tmp/hpcrl-evil")]  # /tmp: the sandbox's own tmpfs, not the host's
     program = ("import sys\nfor path in sys.argv[1:]:\n    try:\n        open(path, 'w').write('x')\n"
-               "        print('wrote', path)\n    except OSError as e:\n        print('refused', path, type(e).__name__)\n")
+               "        print('wrote', path)\n    except OSError as e:\n"
+               "        print('refused', path, type(e).__name__)\n")
     r = run(sandbox, program, *map(str, targets))
     assert r.status == "ok" and r.stdout.count(b"refused") == len(outside), r.stdout
     assert not any(p.exists() for p in targets)
@@ -158,7 +173,8 @@ def test_no_socket_reaches_the_jobs_ports(sandbox: Sandbox) -> None:
     t = threading.Thread(target=accept)
     t.start()
     program = ("import socket, sys\nfor host in ('127.0.0.1', 'localhost', '8.8.8.8'):\n    try:\n"
-               "        socket.create_connection((host, int(sys.argv[1])), timeout=1)\n        print('connected', host)\n"
+               "        socket.create_connection((host, int(sys.argv[1])), timeout=1)\n"
+               "        print('connected', host)\n"
                "    except OSError as e:\n        print('refused', host, type(e).__name__)\n")
     r = run(sandbox, program, str(port))
     t.join()
@@ -195,7 +211,8 @@ def test_a_daemonised_child_dies_with_its_sandbox(sandbox: Sandbox) -> None:
     ("import os\nprint('#hpcrl-results#' + '{\"results\": [[\"ok\", 1], [\"ok\", 1], [\"ok\", 1]]}', flush=True)\n"
      "os._exit(0)\n",
      "0/3 tests passed"),
-    ("class Any:\n    def __eq__(self, other):\n        return True\ndef f(xs):\n    return Any()\n", "0/3 tests passed"),
+    ("class Any:\n    def __eq__(self, other):\n        return True\ndef f(xs):\n    return Any()\n",
+     "0/3 tests passed"),
     ("def f(xs):\n    import sys\n    sys.exit(0)\n", "0/3 tests passed"),
     ("def f(xs):\n    return [str(x) for x in xs[::-1]]\n", "2/3 tests passed"),
 ])
@@ -228,6 +245,10 @@ def test_the_expression_form_and_the_judge() -> None:
     ok = SandboxResult("ok", 0, b'noise\n#hpcrl-results#{"results": [["ok", 1.0], ["ok", [true, 2]]]}\n', b"", 0.0)
     assert judge(ok, [1, [True, 2]]) == (1.0, "2/2 tests passed")
     assert judge(ok, [1, [1, 2]])[0] == 0.0  # True is not 1
+    for forged in ("5", "null", '"load_error"', "[" * 100000, '{"results": 3}', '{"load_error": 1}',
+                   '{"results": [["ok", ' + "[" * 5000 + "]" * 5000 + "]]}"):  # what a program may print itself
+        line = SandboxResult("ok", 0, f"#hpcrl-results#{forged}\n".encode(), b"", 0.0)
+        assert judge(line, [1])[0] == 0.0
 
 
 def test_the_code_scorer_is_a_choice_of_the_config_and_counts_infra_errors(tmp_path: Path) -> None:

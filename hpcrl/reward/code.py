@@ -100,21 +100,22 @@ def extract_code(response: str) -> str:
 
 
 def judge(run: SandboxResult, expected: list[Any]) -> tuple[float, str]:
-    """(reward, detail) of a finished run against the expected values: 1.0 only when every result is right."""
+    """(reward, detail) of a finished run against the expected values: 1.0 only when every result is right. The
+    results line may be the program's own (printed before it exits): anything but well-formed results scores 0."""
     lines = [line for line in run.stdout.decode(errors="replace").splitlines() if line.startswith(MARK)]
     if not lines:
         return 0.0, f"no results ({run.status}{': ' + run.detail if run.detail else ''})"
     try:
         got = json.loads(lines[-1][len(MARK):])
-    except ValueError:
+        if isinstance(got, dict) and "load_error" in got:
+            return 0.0, f"does not load: {str(got['load_error'])[:200]}"
+        results = got.get("results") if isinstance(got, dict) else None
+        if not isinstance(results, list) or len(results) != len(expected):
+            return 0.0, "malformed results"
+        passed = sum(1 for r, want in zip(results, expected)
+                     if isinstance(r, list) and len(r) == 2 and r[0] == "ok" and _same(r[1], want))
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return 0.0, "unreadable results"
-    if "load_error" in got:
-        return 0.0, f"does not load: {got['load_error']}"
-    results = got.get("results") if isinstance(got, dict) else None
-    if not isinstance(results, list) or len(results) != len(expected):
-        return 0.0, "malformed results"
-    passed = sum(1 for r, want in zip(results, expected)
-                 if isinstance(r, list) and len(r) == 2 and r[0] == "ok" and _same(r[1], want))
     return (1.0 if passed == len(expected) else 0.0), f"{passed}/{len(expected)} tests passed"
 
 

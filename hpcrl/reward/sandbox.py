@@ -70,6 +70,19 @@ RunStatus = Literal["ok", "exit", "signal", "timeout", "output_limit", "infra_er
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+# the trial program: it must fork (the process limit leaves room for a few processes) and print
+_PROBE = ("import os\nfor _ in range(3):\n    pid = os.fork()\n    if not pid:\n        os._exit(0)\n"
+          "    os.waitpid(pid, 0)\nprint(42)")
+
+
+def _kernel() -> tuple[int, int]:
+    try:
+        major, minor = os.uname().release.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
+
+
 class SandboxUnavailable(RuntimeError):
     """The configured mechanism does not work on this machine (said once, when the sandbox is built)."""
 
@@ -101,7 +114,11 @@ class Sandbox:
         if os.geteuid() == 0 and not self._tools["setpriv"]:
             raise SandboxUnavailable("reward.sandbox: running as root, the sandbox drops to run_as_uid with setpriv "
                                      "(util-linux), which is not on PATH")
-        probe = self.run({}, ["python", "-c", "print(6 * 7)"])
+        if cfg.mechanism == "bwrap" and _kernel() < (5, 14):
+            log.warning("reward.sandbox: Linux %d.%d counts RLIMIT_NPROC over every process of the sandbox's user, "
+                        "not per sandbox (5.14 and later do): reward.sandbox.processes=%d may refuse honest "
+                        "programs a fork while many run", *_kernel(), cfg.processes)
+        probe = self.run({}, ["python", "-c", _PROBE])
         if probe.status != "ok" or probe.stdout.strip() != b"42":
             hint = (" (user namespaces may be disabled: kernel.unprivileged_userns_clone, "
                     "user.max_user_namespaces; ask your site, or use mechanism=launcher)"
@@ -141,7 +158,7 @@ class Sandbox:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
-    def _command(self, task: str, argv: list[str], status_fd: int) -> list[str]:
+    def _command(self, task: str, argv: list[str], status_fd: int, start_fd: int) -> list[str]:
         cfg, cpu = self.cfg, self.cfg.cpu_s
         limits = {"cpu": f"{cpu}:{cpu + 1}", "as": cfg.memory_mb * 2**20, "fsize": cfg.file_mb * 2**20,
                   "nofile": cfg.open_files, "nproc": cfg.processes, "core": 0}  # cpu: SIGXCPU, a second later SIGKILL
@@ -149,7 +166,12 @@ class Sandbox:
         # only (set outside, it would count every process of the user on the node, and creating the namespace
         # would fail for a user with more)
         prlimit = self._tools["prlimit"] if cfg.mechanism == "bwrap" else "prlimit"  # the launcher's image's own
-        limited = [prlimit, *(f"--{name}={value}" for name, value in limits.items()), "--", *argv]
+        # then a trusted shell says "started" on start_fd, closes it and becomes the program: everything before
+        # that byte (namespaces, mounts, limits) is the sandbox's, and a failure there an infra error the program
+        # cannot fake (it never holds start_fd). bash: dash takes single-digit descriptors only
+        started = f'printf s >&{start_fd} && exec "$@" {start_fd}>&-'
+        limited = [prlimit, *(f"--{name}={value}" for name, value in limits.items()), "--",
+                   "/bin/bash", "--norc", "--noprofile", "-c", started, "sh", *argv]
         cmd = []
         if os.geteuid() == 0:
             uid = cfg.run_as_uid
@@ -172,33 +194,36 @@ class Sandbox:
         return cmd + limited
 
     def _run(self, task: str, argv: list[str], stdin, t0: float) -> SandboxResult:
-        status_r, status_w = os.pipe()
+        (status_r, status_w), (start_r, start_w) = os.pipe(), os.pipe()
         try:
-            proc = subprocess.Popen(self._command(task, argv, status_w), stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=dict(_ENV), cwd="/", start_new_session=True,
-                                    pass_fds=(status_w,), close_fds=True)
+            proc = subprocess.Popen(self._command(task, argv, status_w, start_w), stdin=stdin,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(_ENV), cwd="/",
+                                    start_new_session=True, pass_fds=(status_w, start_w), close_fds=True)
         except OSError as e:
-            os.close(status_r)
-            os.close(status_w)
+            for fd in (status_r, status_w, start_r, start_w):
+                os.close(fd)
             return SandboxResult("infra_error", None, b"", b"", time.perf_counter() - t0, f"could not start: {e}")
         os.close(status_w)
+        os.close(start_w)
         try:
-            outcome = self._communicate(proc, status_r)
+            outcome = self._communicate(proc, status_r, start_r)
         finally:
             _kill_group(proc)
             proc.wait()
             os.close(status_r)
+            os.close(start_r)
         return self._result(proc, outcome, t0)
 
-    def _communicate(self, proc: subprocess.Popen, status_r: int) -> dict:
+    def _communicate(self, proc: subprocess.Popen, status_r: int, start_r: int) -> dict:
         """Collect stdout, stderr and bwrap's status until the program's output ends (its sandbox is gone), the
         clock runs out or the output is too long."""
         cap, deadline = self.cfg.output_bytes, time.monotonic() + self.cfg.wall_s
-        out = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "why": ""}
+        out = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "start": bytearray(), "why": ""}
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
         sel.register(status_r, selectors.EVENT_READ, "status")
+        sel.register(start_r, selectors.EVENT_READ, "start")
         streams = {"stdout", "stderr"}
         try:
             while streams:
@@ -213,7 +238,7 @@ class Sandbox:
                         streams.discard(key.data)
                         continue
                     out[key.data] += chunk
-                    if key.data != "status" and len(out[key.data]) > cap:
+                    if key.data in streams and len(out[key.data]) > cap:
                         out["why"] = "output_limit"
                         return out
             try:  # output closed: the sandbox is gone, or about to be
@@ -222,6 +247,7 @@ class Sandbox:
                 out["why"] = "timeout"
                 return out
             out["status"] += _drain(status_r)
+            out["start"] += _drain(start_r)
         finally:
             sel.close()
         return out
@@ -229,17 +255,18 @@ class Sandbox:
     def _result(self, proc: subprocess.Popen, out: dict, t0: float) -> SandboxResult:
         cap, wall = self.cfg.output_bytes, time.perf_counter() - t0
         stdout, stderr = bytes(out["stdout"][:cap]), bytes(out["stderr"][:cap])
-        started, code = _parse_status(bytes(out["status"]))
+        started, code = bool(out["start"]), _exit_code(bytes(out["status"]))
         if self.cfg.mechanism == "launcher":
-            started, code = True, proc.returncode
+            code = proc.returncode
+        if not started:  # the program never ran: whatever happened is the sandbox's
+            why = (f"not started within {self.cfg.wall_s:g} s" if out["why"] == "timeout" else
+                   stderr.decode(errors="replace").strip()[-500:] or f"exit {proc.returncode}")
+            return SandboxResult("infra_error", None, stdout, stderr, wall, f"the sandbox did not start: {why}")
         if out["why"] == "timeout":
             return SandboxResult("timeout", None, stdout, stderr, wall, f"wall clock over {self.cfg.wall_s:g} s")
         if out["why"] == "output_limit":
             return SandboxResult("output_limit", None, stdout, stderr, wall,
                                  f"more than {cap} bytes of output")
-        if not started:
-            why = stderr.decode(errors="replace").strip()[-500:] or f"exit {proc.returncode}"
-            return SandboxResult("infra_error", None, stdout, stderr, wall, f"the sandbox did not start: {why}")
         if code is None:
             code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         if code == 0:
@@ -251,10 +278,9 @@ class Sandbox:
         return SandboxResult("exit", code, stdout, stderr, wall, f"exit code {code}")
 
 
-def _parse_status(raw: bytes) -> tuple[bool, int | None]:
-    """bwrap's --json-status-fd documents: whether the program was started, and its exit code."""
-    started, code = False, None
-    decoder, text, i = json.JSONDecoder(), raw.decode(errors="replace"), 0
+def _exit_code(raw: bytes) -> int | None:
+    """The program's exit code from bwrap's --json-status-fd documents (None: not reported)."""
+    code, decoder, text, i = None, json.JSONDecoder(), raw.decode(errors="replace"), 0
     while i < len(text):
         while i < len(text) and text[i].isspace():
             i += 1
@@ -264,9 +290,9 @@ def _parse_status(raw: bytes) -> tuple[bool, int | None]:
             doc, i = decoder.raw_decode(text, i)
         except ValueError:
             break
-        started |= "child-pid" in doc
-        code = doc.get("exit-code", code)
-    return started, code
+        if isinstance(doc, dict):
+            code = doc.get("exit-code", code)
+    return code
 
 
 def _drain(fd: int) -> bytes:
@@ -281,7 +307,10 @@ def _drain(fd: int) -> bytes:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the sandbox's process group: bwrap's PID namespace dies with it, and everything in it."""
+    """SIGKILL the sandbox's process group: bwrap's PID namespace dies with it, and everything in it. Only while
+    its leader is not reaped: a reaped one's group id may belong to another process by now."""
+    if proc.poll() is not None:
+        return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -69,31 +69,37 @@ class ServiceClient:
         self.requests.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
         self._counts: dict[str, int] = {}
+        self._down = False  # the last call found no answer: the service is down or far behind
 
     def score(self, prompt: str, response: str, row: dict) -> RewardResult:
         return self.score_many([(prompt, response, row)])[0]
 
     def score_many(self, items: list[Item]) -> list[RewardResult]:
         names = [self._name(item) for item in items]
-        for name, (prompt, response, row) in zip(names, items):
-            if not (self.results / name).exists() and not (self.requests / name).exists():
-                atomic.write_json(self.requests / name, {"prompt": prompt, "response": response, "row": row})
         got: dict[str, RewardResult] = {}
-        deadline = time.monotonic() + self.cfg.service_wait_s
-        while True:
-            for name in set(names) - set(got):
-                try:
-                    got[name] = RewardResult(**atomic.read_json(self.results / name))
-                except FileNotFoundError:
-                    continue
-            if len(got) == len(set(names)) or time.monotonic() >= deadline:
-                break
-            time.sleep(self.cfg.service_poll_s)
-        for name in got:
-            (self.results / name).unlink(missing_ok=True)
-        missing = RewardResult(0.0, "infra_error", f"the reward service did not score it within "
-                                                    f"{self.cfg.service_wait_s:g} s (reward.service_wait_s)")
-        out = [got.get(name, missing) for name in names]
+        try:
+            for name, (prompt, response, row) in zip(names, items):
+                if not (self.results / name).exists() and not (self.requests / name).exists():
+                    atomic.write_json(self.requests / name, {"prompt": prompt, "response": response, "row": row})
+            # a service that let the last call down gets no wait until it answers again: the rollout loop holds
+            # the group and asks later, instead of blocking generation service_wait_s per group
+            deadline = time.monotonic() + (0.0 if self._down else self.cfg.service_wait_s)
+            while True:
+                for name in set(names) - set(got):
+                    try:
+                        got[name] = RewardResult(**atomic.read_json(self.results / name))
+                    except FileNotFoundError:
+                        continue
+                if len(got) == len(set(names)) or time.monotonic() >= deadline:
+                    break
+                time.sleep(self.cfg.service_poll_s)
+            for name in got:
+                (self.results / name).unlink(missing_ok=True)
+            why = f"the reward service did not score it within {self.cfg.service_wait_s:g} s (reward.service_wait_s)"
+        except (OSError, ValueError, TypeError) as e:  # the run directory failed us: not the samples' fault
+            why = f"the reward service's files: {type(e).__name__}: {e}"
+        self._down = bool(names) and not got
+        out = [got.get(name, RewardResult(0.0, "infra_error", why)) for name in names]
         for r in out:
             self._counts[r.status] = self._counts.get(r.status, 0) + 1
         return out
@@ -122,8 +128,8 @@ class RewardService:
         self._pruned = 0.0
 
     def pump(self) -> int:
-        """Score up to one batch of pending requests; how many were scored."""
-        names = _names(self.requests)[: 4 * self.cfg.max_workers]
+        """Score up to one batch of pending requests, oldest first; how many were taken."""
+        names = self._oldest(4 * self.cfg.max_workers)
         items, taken = [], []
         for name in names:
             try:
@@ -135,11 +141,32 @@ class RewardService:
             except (ValueError, KeyError, TypeError) as e:  # not a request this project wrote: answer it
                 self._answer(name, RewardResult(0.0, "invalid", f"unreadable request: {e}"))
         if items:
-            for name, result in zip(taken, self.scorer.score_many(items)):
+            try:
+                results = self.scorer.score_many(items)
+            except Exception:  # a scorer must not raise; if it does, find the item and answer it alone
+                results = [self._score_alone(item) for item in items]
+            for name, result in zip(taken, results):
                 self._answer(name, result)
             self.scored += len(items)
         self._prune()
         return len(names)
+
+    def _score_alone(self, item: Item) -> RewardResult:
+        try:
+            return self.scorer.score(*item)
+        except Exception as e:
+            log.exception("the scorer raised on an item; answered as an error")
+            return RewardResult(0.0, "error", f"the scorer raised {type(e).__name__}: {e}")
+
+    def _oldest(self, n: int) -> list[str]:
+        """The ``n`` oldest requests (every rollout is served in turn, whatever its name)."""
+        aged = []
+        for name in _names(self.requests):
+            try:
+                aged.append(((self.requests / name).stat().st_mtime, name))
+            except FileNotFoundError:
+                continue
+        return [name for _, name in sorted(aged)[:n]]
 
     def _answer(self, name: str, result: RewardResult) -> None:
         if self.fence is not None:

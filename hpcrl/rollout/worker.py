@@ -32,7 +32,7 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
 A group whose scoring failed for a reason that is not its samples' (a
 result with status ``infra_error``: the reward sandbox could not start) is
 not published with those zeros: it is held and scored again, first after
-``reward.infra_retry_s`` and then at doubling intervals; while it waits the
+``reward.infra_retry_s`` and then at doubling intervals (at most 30 s); while it waits the
 loop goes on. A group still failing after ``reward.infra_max_wait_s`` ends
 the job with an error (the watchdog restarts it, and its tickets are
 reissued), so a broken scorer never turns into rewards of 0.
@@ -70,6 +70,9 @@ class _Group:
     row: Row
     prompt_ids: list[int]
     done: list[Episode | None]
+
+
+_MAX_RETRY_S = 30.0  # the longest a held group waits between two scorings
 
 
 class ScoringUnavailable(RuntimeError):
@@ -216,6 +219,10 @@ class RolloutWorker:
         finally:  # a failed load (version pruned meanwhile) loses nothing: the next poll tries again
             for request in aborted:
                 self.engine.submit(request)
+        for held in [h for h in self.held if any(e.newest_version is not None and e.newest_version > version
+                                                  for e in h.group.done)]:
+            self.held.remove(held)  # holds tokens of rolled-back weights: generated again, not scored again
+            self.groups[held.group.ticket.index] = held.group
         for index, group in self.groups.items():
             for i, e in enumerate(group.done):
                 if e is not None and e.newest_version is not None and e.newest_version > version:
@@ -290,13 +297,15 @@ class RolloutWorker:
         now = time.monotonic()
         self.stats.samples_infra_error += len(failed)
         held = held or _Held(group, due=now, since=now, tries=0)
-        if now - held.since > self.infra_max_wait_s:
+        if now - held.since >= self.infra_max_wait_s:
             self.held.append(held)  # its ticket is reissued if the job exits gracefully
             raise ScoringUnavailable(f"reward: scoring ticket {group.ticket.index} has failed for "
-                               f"{now - held.since:.0f} s (reward.infra_max_wait_s={self.infra_max_wait_s:g}), "
-                               f"{held.tries + 1} tries: {failed[0].detail}")
+                                     f"{now - held.since:.0f} s (reward.infra_max_wait_s={self.infra_max_wait_s:g}), "
+                                     f"{held.tries + 1} tries: {failed[0].detail}")
         held.tries += 1
-        held.due = now + self.infra_retry_s * 2 ** (held.tries - 1)
+        # doubling, at most _MAX_RETRY_S apart, and a last try when the bound is reached
+        held.due = min(now + min(self.infra_retry_s * 2 ** (held.tries - 1), _MAX_RETRY_S),
+                       held.since + self.infra_max_wait_s)
         self.held.append(held)
         (log.warning if held.tries == 1 else log.info)(
             "scoring ticket %d failed for %d of %d samples (infra_error: %s); held, scored again in %.1f s",
