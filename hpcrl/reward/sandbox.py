@@ -17,7 +17,7 @@ What one run gets with ``mechanism: bwrap`` (bubblewrap, the default):
   read-only in ``/task`` and a size-capped tmpfs as the working directory
   and ``$HOME`` (``/tmp``): nothing of the run directory, the spool,
   ``$HOME`` or the host's ``/tmp`` exists inside;
-* an environment of ``PATH``, ``HOME``, ``LANG`` only;
+* an environment of ``PATH``, ``HOME``, ``LANG`` only (and the shell's ``SHLVL``);
 * limits on CPU time, address space, file size, open files and processes
   (``RLIMIT_NPROC``, counted inside the sandbox's own user namespace), set
   by ``prlimit`` as the sandbox's first command;
@@ -32,7 +32,7 @@ must not appear as the sandbox's own).
 
 ``mechanism: launcher`` runs the program under a site's own container
 command (``launcher``: an Apptainer or enroot invocation that ends where the
-program's command line begins; the image must have ``prlimit`` on its
+program's command line begins; the image must have ``prlimit`` and ``bash`` on its
 ``PATH``, as util-linux gives it); hpcrl still applies the limits, the clean
 environment, the timeout (killing the launcher's process group) and the
 output caps, but the isolation of the filesystem, network and processes is
@@ -40,7 +40,9 @@ whatever the launcher gives: docs/reward.md says what to ask of it.
 
 A run whose sandbox could not be set up reports ``infra_error``: the
 program never ran, so the result says nothing of it (a scorer must not
-turn it into a 0 reward).
+turn it into a 0 reward). "Ran" is marked by a trusted shell that, after the
+namespaces, mounts and limits, writes one byte on a descriptor it closes
+before it becomes the program: no program can fake it, or hide it.
 """
 
 from __future__ import annotations
