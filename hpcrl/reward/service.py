@@ -14,13 +14,14 @@ Files, under ``<run_dir>/reward/`` (every one written atomically):
   request is removed; the client removes the result once it has read it.
 
 Lifecycle of the service: read ``config.yaml`` -> build the scorer -> loop: take up to ``reward.max_workers``
-x 4 requests in name order, score them together, write each result, then remove its request; beat the
+x 4 requests, oldest first, score them together, write each result, then remove its request; beat the
 heartbeat; exit 0 once the trainer wrote ``DONE``. A killed service loses nothing: a request stays until its
 result exists, so the next instance (the watchdog restarts it like any component) scores what is pending,
 again if it was scored but its request not yet removed (scoring is a pure function of the item). It is fenced
 to its owner epoch (:mod:`hpcrl.runtime.owner`) and stops when its supervisor is gone.
 
-The client waits for its results at most ``reward.service_wait_s``; items still unscored then are results of
+The client waits for its results at most ``reward.service_wait_s`` (not at all after a call that got no answer,
+until the service answers again); items still unscored then are results of
 status ``infra_error`` (the service is down or behind), which the rollout loop holds and scores again, never
 trains as 0 (:mod:`hpcrl.rollout.worker`). Their requests stay, so the retry finds the results the restarted
 service wrote meanwhile.
