@@ -15,6 +15,10 @@
 # Needs root and apt (the CI machine); no systemd. Settings follow
 # ../shared/ENVIRONMENT.md: fast backfill (hetjobs start only there),
 # cred_expire=10, config_overrides, TmpFS per node (srun --mpi=pmix).
+# Partitions, all over both nodes: debug (the default; never preempted),
+# scavenger and scavenger_cancel (preemptible capacity: a job there is
+# requeued, or cancelled, when a job of `high` needs its CPUs; 20 s of
+# grace after SIGTERM) and high (PriorityTier 10: preempts the scavengers).
 set -euo pipefail
 
 STATE=${HPCRL_SLURM_STATE:-/var/lib/hpcrl-slurm}
@@ -50,6 +54,8 @@ write_configs() {
         say "$CONF_DIR/slurm.conf exists and is not ours; refusing to overwrite it"
         exit 1
     fi
+    local before=""
+    [[ -f $CONF_DIR/slurm.conf ]] && before=$(md5sum <"$CONF_DIR/slurm.conf")
     cat >"$CONF_DIR/slurm.conf" <<EOF
 $MARKER
 ClusterName=hpcrl
@@ -83,8 +89,16 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 NodeName=node1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6821 CPUs=4 RealMemory=8000 State=UNKNOWN
 NodeName=node2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6822 CPUs=4 RealMemory=8000 State=UNKNOWN
-PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
+PartitionName=scavenger Nodes=node1,node2 MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=20
+PartitionName=scavenger_cancel Nodes=node1,node2 MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=20
+PartitionName=high Nodes=node1,node2 MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
+    if [[ -n $before && $before != "$(md5sum <"$CONF_DIR/slurm.conf")" ]]; then
+        restart_on_new_config
+    fi
     cat >"$CONF_DIR/slurmdbd.conf" <<EOF
 $MARKER
 AuthType=auth/munge
@@ -100,6 +114,18 @@ StoragePass=$DB_PASS
 StorageLoc=slurm_acct_db
 EOF
     chmod 600 "$CONF_DIR/slurmdbd.conf"
+}
+
+restart_on_new_config() {  # a running controller and its nodes keep the old slurm.conf: stop them (start restarts)
+    local d pf
+    for d in slurmctld slurmd-node1 slurmd-node2; do
+        pf=$STATE/$d.pid
+        if pidfile_alive "$pf"; then
+            say "slurm.conf changed: restarting $d"
+            kill "$(cat "$pf")"
+            for _ in $(seq 40); do pidfile_alive "$pf" || break; sleep 0.25; done
+        fi
+    done
 }
 
 start_munge() {

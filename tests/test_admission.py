@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from hpcrl.admission.config import AdmissionConfig
-from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.admission.ledger import AdmissionLedger, incarnation
 
 
 def ledger(tmp_path, b=4, eta=1, rows=10, seed=0) -> AdmissionLedger:
@@ -82,3 +82,15 @@ def test_reissued_ticket_is_taken_once_and_reclaim_finds_dead_holders(tmp_path) 
     assert led.holders()[0] == "alive-2"
     assert led.reclaim("alive-2", finished=set()) == [0]  # the taker died too: reissued again
     assert led.num_admitted() == 2  # reissues never create new tickets
+
+
+def test_reclaim_of_a_requeued_job_takes_what_each_of_its_runs_held(tmp_path) -> None:
+    """A job Slurm requeued runs again as the same instance, writing as ``<writer>q<N>``: the rollout's start,
+    and the supervisor's reclaim, hand back what every run held, and nothing of another instance."""
+    led = ledger(tmp_path, b=4, eta=0)
+    for w in ("r0-e1n2", incarnation("r0-e1n2", 1), "r0-e1n21", incarnation("r0-e1n2", 2)):
+        led.try_admit(0, w)
+    assert incarnation("r0-e1n2", 0) == "r0-e1n2" and incarnation("r0-e1n2", 2) == "r0-e1n2q2"
+    assert led.reclaim("r0-e1n2", finished={3}) == [0]  # only that writer, without its incarnations
+    assert led.reclaim("r0-e1n2", finished={3}, incarnations=True) == [1]  # ticket 3 was published
+    assert led.holders()[2] == "r0-e1n21"  # another instance's ticket is left alone

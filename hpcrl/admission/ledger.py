@@ -83,6 +83,17 @@ def create_exclusive(path: Path, record: dict) -> bool:
     return True
 
 
+def incarnation(writer: str, restarts: int) -> str:
+    """The writer id of a job instance that Slurm has requeued ``restarts`` times (``SLURM_RESTART_COUNT``:
+    preemption with ``PreemptMode=REQUEUE`` runs the same job again, with the same instance id): each run of
+    the job writes as its own writer, so a run never inherits the tickets of the one before."""
+    return f"{writer}q{restarts}" if restarts else writer
+
+
+def _requeue_of(w: str, writer: str) -> bool:
+    return w.startswith(f"{writer}q") and w[len(writer) + 1:].isdigit()
+
+
 @dataclass(frozen=True)
 class Ticket:
     index: int  # global ticket number
@@ -189,11 +200,14 @@ class AdmissionLedger:
             out[int(name[1:])] = rest.rsplit("-", 1)[0]
         return out
 
-    def reclaim(self, writer: str, finished: set[int]) -> list[int]:
-        """Reissue every ticket ``writer`` (a dead rollout) held and did not finish; returns them."""
+    def reclaim(self, writer: str, finished: set[int], incarnations: bool = False) -> list[int]:
+        """Reissue every ticket ``writer`` (a dead rollout) held and did not finish; returns them. With
+        ``incarnations``, also those of the writers Slurm's requeues of the same job ran as
+        (:func:`incarnation`: ``<writer>q<N>``)."""
         waiting = set(self.pending_reissues())
         done = finished | set(self.dropped()) | waiting
-        lost = sorted(n for n, w in self.holders().items() if w == writer and n not in done)
+        lost = sorted(n for n, w in self.holders().items()
+                      if (w == writer or (incarnations and _requeue_of(w, writer))) and n not in done)
         for n in lost:
             self.reissue(n, f"rollout {writer} died holding it")
         return lost

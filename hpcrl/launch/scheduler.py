@@ -57,6 +57,10 @@ class Scheduler(Protocol):
 
     def wait(self, job_id: str, timeout: float) -> int | None: ...
 
+    # whether the job waits for resources (a Slurm job pending, or requeued by a preemption): its component
+    # does not run, so the watchdog does not expect its heartbeat and does not call it hung
+    def queued(self, job_id: str) -> bool: ...
+
 
 class LocalScheduler:
     def __init__(self) -> None:
@@ -80,6 +84,9 @@ class LocalScheduler:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def queued(self, job_id: str) -> bool:
+        return False  # a process runs as soon as it is started
 
     def wait(self, job_id: str, timeout: float) -> int | None:
         try:

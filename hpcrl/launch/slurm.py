@@ -56,12 +56,15 @@ from hpcrl.launch.config import ResourcesConfig
 from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
 from hpcrl.launch.slurm_job import RESULTS, RunCommand, append_note, step_codes
 from hpcrl.runtime.owner import ENV_INSTANCE
+from hpcrl.runtime.preempt import EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
 
 # job states after which a job will never run again (sacct's first word of State)
 ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
                "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
+# states of a job that waits in the queue (submitted, or requeued by a preemption) and will run
+QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
 # pending reasons that no amount of waiting fixes
 HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
                     "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
@@ -111,6 +114,7 @@ class SlurmScheduler:
         self._states: dict[str, tuple[str, str]] = {}  # job id -> (state, reason)
         self._read_at = 0.0
         self._codes: dict[str, int] = {}
+        self._set_aside: dict[str, float] = {}  # job id -> time of a result file written before a requeue
 
     def executor(self, spec: ComponentSpec) -> submitit.SlurmExecutor:
         """The submitit executor for ``spec``'s job (its sbatch script: :func:`render_sbatch`)."""
@@ -139,7 +143,7 @@ class SlurmScheduler:
         if job_id in self._codes:
             return self._codes[job_id]
         job, spec = self._jobs[job_id]
-        if spec.tasks == 1 and job.paths.result_pickle.exists():
+        if spec.tasks == 1 and self._finished_run(job, spec):
             state, reason = "COMPLETED", ""
         else:
             state, reason = self._state(job_id)
@@ -147,6 +151,31 @@ class SlurmScheduler:
         if code is not None:
             self._codes[job_id] = code
         return code
+
+    def _finished_run(self, job: submitit.Job, spec: ComponentSpec) -> bool:
+        """Whether the job's result file is the end of the job: only once ``squeue`` no longer lists it. Not when
+        Slurm requeued the job after that run (preemption with ``PreemptMode=REQUEUE``, ``scontrol requeue``:
+        the component handed its work back and exited 75, and the same job runs again once it starts): that
+        result is then set aside and the job polled on."""
+        path = job.paths.result_pickle
+        try:
+            written = path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if written <= self._set_aside.get(job.job_id, 0.0):
+            return False
+        what, how = after_run(job.job_id, written)
+        if what == "requeued":
+            self._set_aside[job.job_id] = written
+            append_note(spec.log_path, f"Slurm requeued job {job.job_id} ({how}): its component stopped and the "
+                                       "same job runs again when it starts")
+            log.warning("%s: Slurm requeued job %s (%s)", spec.name, job.job_id, how)
+        return what == "ended"
+
+    def queued(self, job_id: str) -> bool:
+        """Whether the job waits in Slurm's queue (submitted, or requeued after a preemption): its component
+        is not running, so its heartbeat is not expected."""
+        return job_id not in self._codes and self._state(job_id)[0] in QUEUED
 
     def _code(self, job: submitit.Job, spec: ComponentSpec, state: str, reason: str) -> int | None:
         failed = sorted(job.paths.folder.glob("exit.*.json")) if state not in ("PENDING", "RUNNING") else []
@@ -174,6 +203,10 @@ class SlurmScheduler:
                 return None
             if job.paths.result_pickle.exists():  # it stopped by itself in time: its own code decides
                 return self._code(job, spec, "COMPLETED", reason)
+            if state == "PREEMPTED":  # PreemptMode=CANCEL, and the component did not stop within the grace time
+                append_note(spec.log_path, f"Slurm job {job.job_id} was preempted (cancelled for a job of higher "
+                                           "priority); starting it again is not a failure")
+                return EXIT_REQUEUE
             append_note(spec.log_path, f"Slurm job {job.job_id} ended in state {state}"
                                        f"{' (' + reason + ')' if reason and reason != 'None' else ''}; "
                                        f"submitit log: {job.paths.stdout}")
@@ -205,6 +238,27 @@ def still_listed(job_id: str) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+def after_run(job_id: str, t: float) -> tuple[str, str]:
+    """What ``squeue`` shows of a job one run of which ended at time ``t``: ("ended", "") once it is no longer
+    listed, ("requeued", how) when Slurm queued it again (pending again, or running again with a later start),
+    or ("ending", state) while that run's processes still stop."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%S"], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "ending", "squeue did not answer"
+    state, _, start = (proc.stdout.strip().splitlines() or [""])[0].partition("|")
+    if proc.returncode != 0 or not state:
+        return "ended", ""
+    if state in QUEUED:
+        return "requeued", state
+    try:
+        started = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return "ending", state
+    return ("requeued", f"{state} again since {start}") if started > t + 1 else ("ending", state)
 
 
 def signal_job(job_id: str, sig: int = signal.SIGTERM) -> None:

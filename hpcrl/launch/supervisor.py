@@ -299,6 +299,9 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         for name, code in codes.items():
             if code == 0 and (not _is_trainer(name) or None in trainer_codes or done):
                 continue  # a rank that finished first, a rollout that saw DONE, a finished trainer (eval goes on)
+            if code is None and scheduler.queued(jobs[name][0]):
+                watchdog.started(name)  # waiting for resources (or requeued): its heartbeat clock starts later
+                continue
             code = 1 if code == 0 else code  # every trainer rank exited 0 but nobody wrote DONE
             beat = beats.get(_heartbeat_name(name, jobs[name][1]), {})
             decision = watchdog.assess(name, code, beat.get("time"))
@@ -339,7 +342,7 @@ def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchd
 def _reclaim(run_dir: Path, cfg: RunConfig, writer: str, owner: Owner) -> None:
     """Reissue the tickets a dead rollout job instance held, so no prompt group is lost."""
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, num_rows=1, fence=Fence(run_dir, owner.epoch))
-    lost = ledger.reclaim(writer, Spool(run_dir / "spool").live_tickets())
+    lost = ledger.reclaim(writer, Spool(run_dir / "spool").live_tickets(), incarnations=True)
     if lost:
         log.warning("watchdog: reissued %d tickets held by dead rollout %s", len(lost), writer)
 

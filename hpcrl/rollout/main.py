@@ -13,7 +13,10 @@ same time or join later: admission is global in the run directory.
 Identity and ownership: the writer id and heartbeat belong to this job
 instance (``r<K>-<instance>``, ``heartbeats/rollout-<K>@<instance>.json``),
 never to the replica slot, so a replacement never inherits the tickets or
-the heartbeat of the process it replaces. The process is fenced to its owner
+the heartbeat of the process it replaces. A job that Slurm itself requeued
+(preemption with ``PreemptMode=REQUEUE``: the same job, instance and
+heartbeat run again) writes as ``r<K>-<instance>q<N>`` (``SLURM_RESTART_COUNT``)
+and first hands back what its earlier runs held. The process is fenced to its owner
 epoch (:mod:`hpcrl.runtime.owner`): every ledger record and spool publish
 checks it, and once a newer owner exists the process exits with code 3
 without publishing what it holds. When its supervisor is gone it stops as on
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +36,7 @@ from typing import Callable
 import torch
 
 from hpcrl import atomic
-from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.admission.ledger import AdmissionLedger, incarnation
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
@@ -100,7 +104,10 @@ def _run(run_dir: Path, replica: int) -> None:
     fence.check("start")
     torch.set_num_threads(cfg.rollout.threads)
     weights = open_transport(run_dir / "weights", cfg.weights, "member")
-    writer = f"r{replica}-{fence.instance}"  # one id per job instance: a restart never inherits tickets
+    # one id per job instance, and per run of it that Slurm requeued (preemption): a restart never inherits tickets
+    instance_writer = f"r{replica}-{fence.instance}"
+    requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    writer = incarnation(instance_writer, requeues)
     heartbeat = Heartbeat(run_dir, f"rollout-{replica}@{fence.instance}", cfg.launch.heartbeat_interval_s)
     worker = build_worker(cfg, run_dir, prep, replica, weights=weights, writer=writer, fence=fence,
                           on_wait=lambda: heartbeat.beat(writer=writer, starting=True))
@@ -116,6 +123,10 @@ def _run(run_dir: Path, replica: int) -> None:
         fence.check("generation")
         return done.exists() or preempt.requested or fence.orphaned()
 
+    if requeues:  # the run before this one ended with the job (Slurm requeues a job only once its processes ended)
+        lost = worker.ledger.reclaim(instance_writer, worker.spool.live_tickets(), incarnations=True)
+        log.warning("Slurm requeued this job (run %d of it, e.g. after a preemption): %d tickets the runs before "
+                    "held are handed back", requeues + 1, len(lost))
     log.info("rollout %d started (writer %s, %d train rows)", replica, writer, len(worker.rows))
     try:
         try:

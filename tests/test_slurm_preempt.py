@@ -1,0 +1,124 @@
+"""On the real local Slurm cluster: rollouts on preemptible capacity, preempted by Slurm itself.
+
+The rollout job runs in a scavenger partition on node1 (all its CPUs), the trainer in the default partition on
+node2. The test then submits jobs to the ``high`` partition on node1: Slurm's own preemption
+(``PreemptType=preempt/partition_prio``, scripts/slurm_cluster.sh) takes the node from the rollout, requeueing
+its job (``scavenger``: ``PreemptMode=REQUEUE``) or cancelling it (``scavenger_cancel``: ``CANCEL``). The
+trainer waits without failing while no rollout runs, the rollout comes back when the node is free again (a
+resubmission that is not charged as a failure, or the same job requeued by Slurm), and the run completes with
+its audit clean: nothing lost, nothing trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_helpers import ROOT, cluster_skip_reason, job_env, submit_cmd
+
+from hpcrl.audit import audit
+from hpcrl.metrics.writer import read_metrics
+
+_reason = cluster_skip_reason()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
+
+STEPS = 240
+PLACED = ["launch.rollout.cpus_per_task=4", "launch.rollout.extra_sbatch=[--nodelist=node1]",
+          "launch.trainer.extra_sbatch=[--nodelist=node2]"]
+
+
+def last_step(run: Path) -> int:
+    steps = [r["step"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "reward/mean" in r]
+    return steps[-1] if steps else 0
+
+
+def starts(run: Path) -> int:
+    """How many times a rollout process started (each run of a requeued job, each resubmission)."""
+    try:
+        return (run / "logs" / "rollout-0.log").read_text(errors="replace").count(" started (writer ")
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"run ended while waiting for {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def preempt_node1(tmp_path: Path, hold_s: int = 25) -> str:
+    """A job of the high-priority partition that needs every CPU of node1: Slurm preempts what runs there."""
+    return subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", "node1", "-c", "4", "-J", "hpcrl-test-high",
+                           "-o", str(tmp_path / "high-%j.out"), "--wrap", f"sleep {hold_s}"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def sacct_runs(job_id: str) -> list[str]:
+    """The states of every run of a job (``sacct -D``: a requeued job has one record per run)."""
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    return [ln.split("|")[1].split(" ")[0] for ln in out.splitlines() if ln]
+
+
+@pytest.mark.parametrize("partition,preemptions", [("scavenger", 2), ("scavenger_cancel", 1)])
+def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_completes(tmp_path, partition,
+                                                                                        preemptions) -> None:
+    """Each preemption: the rollout hands its groups back and stops (SIGTERM from Slurm), comes back once the
+    high-priority job is gone, and the trainer goes on. A graceful stop ends the job COMPLETED (REQUEUE) or
+    PREEMPTED (CANCEL) and the supervisor starts it again free of charge; a job Slurm requeues (tested with
+    ``scontrol requeue``, as a preemption that outlasts the grace time does) runs again as the same job, writing
+    as a new incarnation that hands back what the run before held."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "eval.every_steps=0", "watchdog.backoff_s=0.5",
+                     "watchdog.max_restarts=0", "watchdog.startup_grace_s=15", f"launch.rollout.partition={partition}",
+                     *PLACED)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"),
+                            env=job_env(), cwd=ROOT)
+    high: list[str] = []
+    requeued = ""
+    try:
+        for k in range(preemptions):
+            wait_for(lambda: last_step(run) >= 15 + 25 * k and starts(run) == k + 1, proc, f"step {15 + 25 * k}")
+            high.append(preempt_node1(tmp_path))
+            wait_for(lambda: starts(run) == k + 2, proc, f"the rollout back after preemption {k + 1}")
+            step = last_step(run)
+            wait_for(lambda: last_step(run) >= step + 5, proc, f"progress after preemption {k + 1}")
+        if partition == "scavenger":
+            requeued = registry(run)["rollout-0"]["job_id"]
+            subprocess.run(["scontrol", "requeue", requeued], check=True, capture_output=True, timeout=60)
+            wait_for(lambda: starts(run) == preemptions + 2, proc, "the requeued rollout job running again")
+        assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["scancel", *high], capture_output=True)
+    log = (run / "logs" / "rollout-0.log").read_text(errors="replace")
+    assert log.count("received SIGTERM") >= preemptions, log[-3000:]
+    events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e["action"] == "restart"]
+    # watchdog.max_restarts=0: a preemption is never charged as a failure (a charged one would have failed the
+    # run), nor is waiting in the queue for the node (25 s, longer than the 15 s of watchdog.startup_grace_s)
+    assert [e["component"] for e in restarts] == ["rollout-0"] * preemptions, restarts
+    assert all("preemption" in e["reason"] for e in restarts), restarts
+    assert {s for j in high for s in sacct_runs(j)} == {"COMPLETED"}  # the high-priority jobs ran
+    if requeued:  # the same job ran again: no resubmission, its earlier run's tickets handed back
+        assert registry(run)["rollout-0"]["job_id"] == requeued
+        assert log.count("Slurm requeued this job") == 1 and f"writer r0-{registry(run)['rollout-0']['instance']}q1" \
+            in log, log[-3000:]
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == STEPS and rep.unfinished == 0
+    trainer = run / "logs" / "trainer-r0.log"
+    assert "resumed from" not in trainer.read_text(errors="replace")  # the trainer never stopped
+
+
+def registry(run: Path) -> dict:
+    try:
+        return json.loads((run / "jobs" / "registry.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
