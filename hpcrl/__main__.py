@@ -1,7 +1,9 @@
-"""``python -m hpcrl status|cancel <run_dir>``: look at a run, or stop it cleanly (see :mod:`hpcrl.launch.control`).
+"""``python -m hpcrl status|cancel|scale <run_dir>``: look at a run, stop it cleanly, or set its rollout count.
 
-A run is started with ``python -m hpcrl.submit``. Exit codes: 0 done, 1 the
-cancel left something running, 2 not a run directory.
+See :mod:`hpcrl.launch.control` (status, cancel) and :mod:`hpcrl.launch.fleet`
+(scale). A run is started with ``python -m hpcrl.submit``. Exit codes: 0
+done, 1 the cancel left something running, 2 not a run directory or a
+request the run cannot take.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from hpcrl.plugins import defer_plugins
 from hpcrl.config import ConfigError
-from hpcrl.launch.control import cancel, format_status, run_status
+from hpcrl.launch.control import cancel, format_status, run_status, scale
 from hpcrl.runtime.logs import setup_logging
 
 
@@ -30,11 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("run_dir", type=Path)
     ca.add_argument("--timeout", type=float, metavar="S",
                     help="give up waiting after S seconds (default: launch.preempt_grace_s + 60)")
+    sc = sub.add_parser("scale", help="set the number of rollout replicas of a running run (drains or starts them)")
+    sc.add_argument("run_dir", type=Path)
+    sc.add_argument("replicas", type=int, help="rollout replicas wanted (0 pauses generation; the trainer waits)")
     args = parser.parse_args(argv)
     setup_logging("control")
     try:
         if args.command == "cancel":
             return 0 if cancel(args.run_dir, args.timeout) else 1
+        if args.command == "scale":
+            print(scale(args.run_dir, args.replicas), file=sys.stderr)
+            return 0
         while True:
             st = run_status(args.run_dir)
             text = json.dumps(st, indent=1) if args.json else format_status(st)
@@ -44,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.watch:
                 return 0
             time.sleep(args.watch)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

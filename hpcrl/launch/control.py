@@ -1,4 +1,4 @@
-"""Operating a run from outside: ``python -m hpcrl status <run_dir>`` and ``python -m hpcrl cancel <run_dir>``.
+"""Operating a run from outside: ``python -m hpcrl status|cancel <run_dir>``, ``python -m hpcrl scale <run_dir> N``.
 
 Both read only what the run writes on the shared filesystem (the owner
 epochs, ``jobs/registry.json`` and ``jobs/events.jsonl``, heartbeats,
@@ -24,6 +24,10 @@ every S seconds; ``--json`` prints it as JSON.
    --signal=USR2`` to a Slurm job), waits the same grace, and kills what
    is left (a trainer killed then resumes from its previous checkpoint).
 
+``scale`` writes the wanted rollout count for the supervisor, which starts or
+drains replicas (:mod:`hpcrl.launch.fleet`); ``status`` shows the count, who
+asked for it, and how many replicas run.
+
 ``cancel`` returns when nothing of the run runs any more (exit 0), or after
 ``--timeout`` saying what still runs (exit 1). ``python -m hpcrl.submit
 --resume <run_dir>`` continues a cancelled run (it removes ``CANCEL``).
@@ -44,6 +48,7 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.ckpt.store import committed
 from hpcrl.config import RunConfig, load_saved
+from hpcrl.launch.fleet import describe, request_scale, scale_requested, wanted_replicas
 from hpcrl.launch.registry import SLURM_JOBS, jobs_of
 from hpcrl.launch.takeover import job_alive, kill_job, registry
 from hpcrl.metrics.writer import read_evals, read_metrics
@@ -208,8 +213,10 @@ def run_status(run_dir: Path) -> dict:
         state = "not started"
     else:
         state = "stopped (resume with --resume)"
+    fleet = {"wanted": None if cfg.launch.mode == "colocated" else wanted_replicas(cfg, run_dir),
+             "request": scale_requested(run_dir)}
     return {"run_dir": str(run_dir), "name": cfg.name, "state": state, "cancel": cancel, "supervisor": sup,
-            "components": comps, "progress": progress(run_dir, cfg)}
+            "components": comps, "progress": progress(run_dir, cfg), "fleet": fleet}
 
 
 def format_status(st: dict) -> str:
@@ -230,6 +237,10 @@ def format_status(st: dict) -> str:
                  f"  last metrics {v(p['metrics_age_s'], '{:.0f}')}s ago")
     lines.append(f"checkpoint: {v(p['checkpoint'])}  tickets admitted {p['tickets_admitted']}, "
                  f"dropped {p['tickets_dropped']}, reissues waiting {p['reissues_waiting']}")
+    if st["fleet"]["wanted"] is not None:
+        running = sum(1 for n, c in st["components"].items() if n.startswith("rollout-") and c["alive"])
+        lines.append(f"rollout replicas: {st['fleet']['wanted']} wanted ({describe(st['fleet']['request'])}), "
+                     f"{running} running")
     if st["components"]:
         lines.append(f"{'component':<12} {'job':<10} {'state':<12} {'restarts':>8} {'heartbeat':>10}")
         for name, c in st["components"].items():
@@ -243,6 +254,24 @@ def format_status(st: dict) -> str:
         lines.append(f"cancel requested by {st['cancel'].get('user')} on {st['cancel'].get('host')} at "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st['cancel'].get('time', 0)))}")
     return "\n".join(lines)
+
+
+# -- scale --------------------------------------------------------------------------------------------------------
+
+def scale(run_dir: Path, replicas: int) -> str:
+    """Ask the run for ``replicas`` rollout replicas (:mod:`hpcrl.launch.fleet`); what will happen, in words."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    cfg = load_saved(run_dir)
+    if cfg.launch.mode == "colocated":
+        raise ValueError("a colocated run (launch.mode=colocated) has no rollout replicas to scale")
+    if (run_dir / "DONE").exists():
+        raise ValueError(f"{run_dir} has finished")
+    before = wanted_replicas(cfg, run_dir)
+    request_scale(run_dir, replicas)
+    sup = supervisor(run_dir, cfg)
+    when = ("its supervisor acts on it within a second" if sup["state"] == "running"
+            else "no supervisor runs: the run starts with it when resumed (python -m hpcrl.submit --resume)")
+    return f"rollout replicas: {before} -> {replicas}; {when}"
 
 
 # -- cancel -------------------------------------------------------------------------------------------------------

@@ -30,8 +30,16 @@ shows it) -> ``cancel`` is ``scancel``.
 heterogeneous allocation (``sbatch/run_async_ppo.sh``): each component is a
 local ``srun --het-group=G`` process (trainer: group 0, rollouts and the evaluation component: group 1).
 
-Elastic rollout: ``python -m hpcrl.launch.slurm add-rollout --run-dir D
---replica K`` submits one more rollout job to a running run (admission is
+Preemption (a rollout on a preemptible partition or QOS): a job that ends
+PREEMPTED is a restart free of charge (exit 75), as is one whose component
+stopped in time; a job Slurm requeued is not finished: its result file is
+set aside (``squeue`` lists it pending again, or running again since a later
+start) and the same job is polled on. :meth:`SlurmScheduler.queued` tells
+the supervisor that a job waits in the queue, so it is never called hung.
+
+Elastic rollout: ``python -m hpcrl scale D N`` (:mod:`hpcrl.launch.fleet`)
+sets the supervised count; ``python -m hpcrl.launch.slurm add-rollout --run-dir D
+--replica K`` submits one more rollout job to a running run outside the supervisor (admission is
 global in the run directory, so it simply starts taking tickets); it is
 recorded in ``<run_dir>/jobs/rollout-K.json`` and exits by itself when the
 trainer writes ``DONE``. Stopping a replica is ``scancel``: its unfinished

@@ -55,6 +55,7 @@ from hpcrl.plugins import resolve
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
+from hpcrl.launch.fleet import describe, plan, replica_of, scale_requested, wanted_replicas
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
 from hpcrl.launch.takeover import clean_temporaries, registry, start_ticks, take_over
@@ -69,10 +70,18 @@ log = logging.getLogger(__name__)
 def component_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
     """Every component of the run. The watchdog restarts them, so none asks Slurm to requeue itself
     (a self-requeued job beside the watchdog's resubmission would be a second trainer)."""
-    specs = _specs(cfg, run_dir)
-    for spec in specs:
-        spec.env["HPCRL_SLURM_REQUEUE"] = "0"
-    return specs
+    return [_no_self_requeue(spec) for spec in _specs(cfg, run_dir)]
+
+
+def _no_self_requeue(spec: ComponentSpec) -> ComponentSpec:
+    spec.env["HPCRL_SLURM_REQUEUE"] = "0"
+    return spec
+
+
+def _rollout_spec(cfg: RunConfig, run_dir: Path, k: int) -> ComponentSpec:
+    """Rollout replica ``k``: its own process or job, with the resources of ``launch.rollout``."""
+    return ComponentSpec(f"rollout-{k}", python_module("hpcrl.rollout", "--run-dir", str(run_dir), "--replica", str(k)),
+                         run_dir / "logs" / f"rollout-{k}.log", resources=cfg.launch.rollout)
 
 
 def _specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
@@ -107,9 +116,7 @@ def _trainer_rollout_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]
                            {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
              for r in range(world)]
-    specs += [ComponentSpec(f"rollout-{k}", python_module("hpcrl.rollout", *rd, "--replica", str(k)),
-                            logs / f"rollout-{k}.log") for k in range(cfg.rollout.replicas)]
-    return specs
+    return specs + [_rollout_spec(cfg, run_dir, k) for k in range(wanted_replicas(cfg, run_dir))]
 
 
 def _job_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
@@ -121,9 +128,7 @@ def _job_specs(cfg: RunConfig, run_dir: Path) -> list[ComponentSpec]:
                               resources=cfg.launch.trainer)]
     specs = [ComponentSpec("trainer", python_module("hpcrl.trainer", *rd), logs / "trainer-r{rank}.log",
                            resources=cfg.launch.trainer, tasks=cfg.trainer.world_size)]
-    return specs + [ComponentSpec(f"rollout-{k}", python_module("hpcrl.rollout", *rd, "--replica", str(k)),
-                                  logs / f"rollout-{k}.log", resources=cfg.launch.rollout)
-                    for k in range(cfg.rollout.replicas)]
+    return specs + [_rollout_spec(cfg, run_dir, k) for k in range(wanted_replicas(cfg, run_dir))]
 
 
 def make_scheduler(cfg: RunConfig, run_dir: Path) -> Scheduler:
@@ -271,7 +276,7 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
     watchdog, events = Watchdog(cfg.watchdog), run_dir / "jobs" / "events.jsonl"
     for name in jobs:
         watchdog.started(name)
-    cleaned = time.time()
+    cleaned, draining = time.time(), {}  # draining: replica -> when it is killed if it has not exited
     while True:
         if owner.superseded():
             raise RunTakenOver(f"owner epoch {owner.epoch + 1} claimed this run: stopping this supervisor's "
@@ -295,8 +300,12 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         done = (run_dir / "DONE").exists()
         if done and all(c == 0 for n, c in codes.items() if _must_finish(n)):
             break
+        if _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
+            continue  # job set changed: poll again
         beats = read_heartbeats(run_dir)
         for name, code in codes.items():
+            if name in draining:
+                continue
             if code == 0 and (not _is_trainer(name) or None in trainer_codes or done):
                 continue  # a rank that finished first, a rollout that saw DONE, a finished trainer (eval goes on)
             if code is None and scheduler.queued(jobs[name][0]):
@@ -330,6 +339,8 @@ def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchd
         _reclaim(run_dir, cfg, _writer(name, spec), owner)
     time.sleep(decision.delay_s)
     fresh = {s.name: s for s in component_specs(cfg, run_dir)}  # a trainer group gets a new rendezvous port
+    if replica_of(name) is not None:
+        fresh[name] = _no_self_requeue(_rollout_spec(cfg, run_dir, replica_of(name)))
     for n in group:
         if owner.superseded():  # never start a component for a replaced owner
             raise RunTakenOver(f"owner epoch {owner.epoch + 1} claimed this run while {n} was restarting")
@@ -337,6 +348,40 @@ def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchd
         watchdog.started(n)
         log.info("watchdog: resubmitted %s as %s", n, jobs[n][0])
     _write_registry(cfg, run_dir, jobs)
+
+
+def _rescale(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, codes: dict, draining: dict,
+             watchdog: Watchdog, owner: Owner, events: Path) -> bool:
+    """Retire drained replicas that exited, then start or drain replicas toward the wanted count
+    (:mod:`hpcrl.launch.fleet`); True when the job set changed."""
+    if cfg.launch.mode == "colocated":
+        return False
+    changed = False
+    for name in [n for n in draining if codes.get(n) is not None or time.time() > draining[n]]:
+        (job_id, spec), code = jobs.pop(name), codes.get(name)
+        del draining[name]
+        if code is None:
+            log.warning("%s did not stop within %.0fs of being drained; killing it", name, cfg.launch.preempt_grace_s)
+            scheduler.cancel(job_id, signal.SIGKILL)
+        _reclaim(run_dir, cfg, _writer(name, spec), owner)
+        _event(events, name, job_id, Decision("scale", f"{name} drained and retired (exit {code})"))
+        changed = True
+    start, drain = plan([n for n in jobs if n not in draining], wanted_replicas(cfg, run_dir))
+    why = describe(scale_requested(run_dir))
+    for name in drain:
+        log.info("scale: draining %s (%s)", name, why)
+        scheduler.cancel(jobs[name][0], signal.SIGUSR2)  # hand back, exit 75
+        draining[name] = time.time() + cfg.launch.preempt_grace_s
+        _event(events, name, jobs[name][0], Decision("scale", f"draining {name}: {why}"))
+    for name in start:
+        spec = _no_self_requeue(_rollout_spec(cfg, run_dir, replica_of(name)))
+        jobs[name] = (scheduler.submit(_stamp(spec, owner)), spec)
+        watchdog.started(name)
+        log.info("scale: started %s (%s %s: %s)", name, scheduler_spec(cfg.launch.scheduler).job_word, jobs[name][0], why)
+        _event(events, name, jobs[name][0], Decision("scale", f"started {name}: {why}"))
+    if changed or start or drain:
+        _write_registry(cfg, run_dir, jobs)
+    return changed or bool(start)
 
 
 def _reclaim(run_dir: Path, cfg: RunConfig, writer: str, owner: Owner) -> None:

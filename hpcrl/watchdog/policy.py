@@ -29,7 +29,9 @@ from hpcrl.watchdog.config import WatchdogConfig
 
 @dataclass
 class Decision:
-    action: Literal["ok", "restart", "fail", "stop"]  # stop: the whole run stops (preemption, walltime, cancel)
+    # stop: the whole run stops (preemption, walltime, cancel); scale: the supervisor started, drained or retired a
+    # rollout replica (hpcrl.launch.fleet)
+    action: Literal["ok", "restart", "fail", "stop", "scale"]
     reason: str = ""
     delay_s: float = 0.0
     hung: bool = False  # the process may still be alive: cancel it before resubmitting
