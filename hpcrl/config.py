@@ -89,6 +89,11 @@ class RunConfig:
                 if bad:
                     raise ValueError(f"trainer.lora.publish: adapter does not work with {why}; use "
                                      "trainer.lora.publish=merged")
+        if self.launch.autoscale.enabled and self.launch.mode == "colocated":
+            raise ValueError("launch.autoscale: a colocated run (launch.mode=colocated) has no rollout replicas")
+        if self.launch.autoscale.enabled and self.rollout.server_url and self.launch.autoscale.max_replicas > 1:
+            raise ValueError("launch.autoscale.max_replicas: rollout.server_url is one server, which only one "
+                             "replica may drive; leave server_url empty to start one server per replica")
         if self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 training needs loss scaling, which the trainer engines do not do "
                              "(its gradients would underflow); use bfloat16, or float32")

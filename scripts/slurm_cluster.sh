@@ -165,9 +165,9 @@ start_daemon() {  # name pidfile command...
 
 wait_ready() {
     for _ in $(seq 120); do
-        if [[ $(sinfo -h -N -o '%N %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)$') -eq 2 ]] \
+        if [[ $(sinfo -h -N -o '%N %t' 2>/dev/null | sort -u | grep -cE ' (idle|mix|alloc)$') -eq 2 ]] \
             && sacct -n -X -S now-1minutes >/dev/null 2>&1; then
-            say "cluster up: $(sinfo -h -N -o '%N:%t' | tr '\n' ' ')"
+            say "cluster up: $(sinfo -h -N -o '%N:%t' | sort -u | tr '\n' ' ')"
             return 0
         fi
         sleep 0.5

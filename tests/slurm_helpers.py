@@ -29,7 +29,7 @@ def cluster_skip_reason() -> str | None:
         return f"Slurm does not answer (start the test cluster with `{START}`)"
     if nodes.returncode != 0:
         return f"Slurm is not up: {nodes.stderr.strip()} (start it with `{START}`)"
-    up = [ln for ln in nodes.stdout.splitlines() if ln.split()[-1].rstrip("*") in ("idle", "mix", "alloc", "comp")]
+    up = {ln for ln in nodes.stdout.splitlines() if ln.split()[-1].rstrip("*") in ("idle", "mix", "alloc", "comp")}
     if len(up) < 2:
         return f"the Slurm test cluster needs 2 usable nodes, found: {nodes.stdout.strip()!r} (`{START}`)"
     if acct.returncode != 0:

@@ -14,6 +14,8 @@ import pytest
 from test_e2e import ROOT, cache, submit_args  # noqa: F401 (cache: the fixture of the e2e runs)
 
 from hpcrl.audit import audit
+from hpcrl.config import load_config
+from hpcrl.launch.autoscale import Autoscaler, Signals, last_assessment
 from hpcrl.launch.fleet import plan, replica_of, request_scale, scale_requested
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
@@ -98,3 +100,86 @@ def test_scale_adds_a_replica_that_contributes_then_drains_it_and_the_run_comple
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == steps and rep.unfinished == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def autoscaler(tmp_path, **over):
+    cfg = load_config(str(ROOT / "configs/quickstart.yaml"), [f"run_dir={tmp_path}", "admission.batch_size=4", "admission.max_staleness=2",
+                             "launch.autoscale.enabled=true", "launch.autoscale.min_replicas=1",
+                             "launch.autoscale.max_replicas=3", "launch.autoscale.window_s=10",
+                             "launch.autoscale.cooldown_s=30", *[f"launch.autoscale.{k}={v}" for k, v in over.items()]])
+    clock = Clock()
+    return Autoscaler(cfg, tmp_path, clock), clock
+
+
+def signals(wait: float | None, steps: int = 20, window: float = 12.0, ready: int = 0) -> Signals:
+    return Signals(wait_share=wait, steps=steps, window_s=window, ready_groups=ready, bound_groups=12)
+
+
+def test_autoscaler_adds_on_waiting_drains_on_surplus_and_holds_in_between(tmp_path) -> None:
+    a, clock = autoscaler(tmp_path)
+    room, no_room = (lambda: True), (lambda: False)
+    count, why = a.decide(1, signals(0.5), room)
+    assert count == 2 and "waited for data 50% of the last 12s (20 steps) > 20%" in why
+    assert a.decide(1, signals(0.5), no_room) is None  # the cluster has no room: wait
+    assert a.decide(3, signals(0.9), room) is None  # at max_replicas
+    assert a.decide(1, signals(0.5, steps=2), room) is None  # too few steps
+    assert a.decide(1, signals(0.5, window=5.0), room) is None  # not a full window
+    assert a.decide(1, signals(None), room) is None
+    # the hysteresis band: neither waiting enough to add nor idle enough to drain
+    assert a.decide(2, signals(0.1, ready=12), room) is None
+    assert a.decide(2, signals(0.01, ready=8), room) is None  # ready groups below 75% of the bound
+    count, why = a.decide(2, signals(0.01, ready=9), room)
+    assert count == 1 and "9 ready groups fill >= 75% of the 12 the staleness bound allows" in why
+    assert a.decide(1, signals(0.0, ready=12), room) is None  # at min_replicas
+    assert a.decide(0, signals(None), room)[0] == 1 and a.decide(5, signals(None), room)[0] == 3  # the bounds
+
+
+def test_autoscaler_tick_writes_a_request_logs_every_assessment_and_cools_down(tmp_path) -> None:
+    (tmp_path / "logs").mkdir()
+    with open(tmp_path / "logs" / "metrics.jsonl", "w") as f:
+        for i in range(1, 21):  # 20 steps of 1 s, 0.6 s of each waiting for data
+            f.write(json.dumps({"step": i, "time/wait_s": 0.6, "time/step_s": 1.0, "time/elapsed_s": float(i)}) + "\n")
+    a, clock = autoscaler(tmp_path)
+    said = a.tick(lambda: True)
+    assert said.startswith("1 -> 2: the trainer waited for data 60% of the last 11s (11 steps)"), said
+    req = scale_requested(tmp_path)
+    assert req["replicas"] == 2 and req["user"] == "autoscaler" and "60%" in req["reason"]
+    clock.t += 100  # past the cooldown, but no training since the decision: nothing to decide on
+    assert a.tick(lambda: True) is None and scale_requested(tmp_path)["replicas"] == 2
+    records = [json.loads(x) for x in (tmp_path / "logs" / "fleet.jsonl").read_text().splitlines()]
+    assert [r.get("decision") for r in records] == [2, None] and records[1]["steps"] == 0
+    assert last_assessment(tmp_path)["last_decision"]["reason"] == req["reason"]
+
+
+@pytest.mark.slow
+def test_autoscaled_run_grows_to_its_maximum_when_the_trainer_waits(tmp_path, cache) -> None:
+    """The trainer waits for data (a low threshold makes that certain here): the autoscaler adds a replica, the
+    run never has more than max_replicas, and it completes with its audit clean."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
+                           *submit_args(run, cache, "trainer.total_steps=300", "eval.every_steps=0",
+                                        "launch.autoscale.enabled=true", "launch.autoscale.max_replicas=2",
+                                        "launch.autoscale.add_wait_share=0.01", "launch.autoscale.drain_wait_share=0",
+                                        "launch.autoscale.window_s=2", "launch.autoscale.cooldown_s=2",
+                                        "launch.autoscale.interval_s=1", "launch.autoscale.min_steps=3")],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "autoscale: 1 -> 2: the trainer waited for data" in proc.stderr, proc.stderr[-3000:]
+    events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
+    started = [e["component"] for e in events if e["action"] == "scale" and e["reason"].startswith("started")]
+    assert started == ["rollout-1"], events
+    records = [json.loads(x) for x in (run / "logs" / "fleet.jsonl").read_text().splitlines()]
+    assert max(r["wanted"] for r in records) == 2 and [r["decision"] for r in records if "decision" in r] == [2]
+    assert (run / "logs" / "rollout-1.log").read_text().count(" started (writer ") == 1
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == 300 and rep.unfinished == 0

@@ -54,6 +54,38 @@ class ResourcesConfig:
 
 
 @dataclass
+class AutoscaleConfig:
+    """``launch.autoscale``: the rollout fleet follows the trainer's demand (:mod:`hpcrl.launch.autoscale`)."""
+
+    enabled: bool = False  # false: the count is rollout.replicas, or what `python -m hpcrl scale` sets
+    min_replicas: int = 1  # never fewer rollout replicas
+    max_replicas: int = 4  # never more
+    add_wait_share: float = 0.2  # add one when the trainer waited for data more than this share of the window
+    drain_wait_share: float = 0.05  # drain one when it waited less than this share ...
+    drain_ready_share: float = 0.75  # ... and the ready groups fill this share of what the staleness bound allows
+    window_s: float = 60.0  # seconds of training (after the previous decision) the signals cover
+    min_steps: int = 5  # trainer steps a window needs before it decides anything
+    cooldown_s: float = 60.0  # seconds between two decisions
+    interval_s: float = 5.0  # seconds between two assessments
+    room_within_s: float = 120.0  # Slurm: add only when `sbatch --test-only` says the job starts within this
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"min_replicas: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, "
+                             f"{self.max_replicas}")
+        if not 0 <= self.drain_wait_share < self.add_wait_share <= 1:
+            raise ValueError("drain_wait_share: need 0 <= drain_wait_share < add_wait_share <= 1 (the gap is the "
+                             f"hysteresis), got {self.drain_wait_share}, {self.add_wait_share}")
+        if not 0 < self.drain_ready_share <= 1:
+            raise ValueError(f"drain_ready_share: must be in (0, 1], got {self.drain_ready_share}")
+        for name in ("window_s", "cooldown_s", "interval_s", "room_within_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.min_steps < 1:
+            raise ValueError(f"min_steps: must be >= 1, got {self.min_steps}")
+
+
+@dataclass
 class LaunchConfig:
     # hpcrl/launch/registry.py: local = every component is a local process; slurm = each component is its own
     # Slurm job (submitit); srun = inside an sbatch allocation (sbatch/run_async_ppo.sh), each component is an srun
@@ -68,6 +100,7 @@ class LaunchConfig:
     rollout: ResourcesConfig = field(default_factory=ResourcesConfig)  # each rollout job's resources (slurm/srun)
     eval: ResourcesConfig = field(default_factory=ResourcesConfig)  # the evaluation job's resources (eval.mode=component)
     reward: ResourcesConfig = field(default_factory=ResourcesConfig)  # the reward service's job (reward.service=true)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # rollout replicas follow the trainer's demand
     slurm_state_interval_s: float = 2.0  # seconds between sacct/squeue reads of the jobs' states
     # a component whose supervisor has not been seen for this long stops cleanly (checkpoint, exit 75), so a
     # dead login-node supervisor does not leave jobs burning an allocation; 0 = never

@@ -48,6 +48,7 @@ from pathlib import Path
 from hpcrl import atomic
 from hpcrl.ckpt.store import committed
 from hpcrl.config import RunConfig, load_saved
+from hpcrl.launch.autoscale import last_assessment
 from hpcrl.launch.fleet import describe, request_scale, scale_requested, wanted_replicas
 from hpcrl.launch.registry import SLURM_JOBS, jobs_of
 from hpcrl.launch.takeover import job_alive, kill_job, registry
@@ -214,7 +215,8 @@ def run_status(run_dir: Path) -> dict:
     else:
         state = "stopped (resume with --resume)"
     fleet = {"wanted": None if cfg.launch.mode == "colocated" else wanted_replicas(cfg, run_dir),
-             "request": scale_requested(run_dir)}
+             "request": scale_requested(run_dir), "autoscale": cfg.launch.autoscale.enabled,
+             "assessment": last_assessment(run_dir)}
     return {"run_dir": str(run_dir), "name": cfg.name, "state": state, "cancel": cancel, "supervisor": sup,
             "components": comps, "progress": progress(run_dir, cfg), "fleet": fleet}
 
@@ -241,6 +243,13 @@ def format_status(st: dict) -> str:
         running = sum(1 for n, c in st["components"].items() if n.startswith("rollout-") and c["alive"])
         lines.append(f"rollout replicas: {st['fleet']['wanted']} wanted ({describe(st['fleet']['request'])}), "
                      f"{running} running")
+    a = st["fleet"]["assessment"]
+    if st["fleet"]["autoscale"] and a:
+        share = "-" if a.get("wait_share") is None else f"{a['wait_share']:.0%}"
+        last = a.get("last_decision")
+        lines.append(f"autoscale: trainer waited {share} of the last {a.get('window_s', 0):.0f}s, ready groups "
+                     f"{a.get('ready_groups')}/{a.get('bound_groups')}; last decision: "
+                     + ("none" if not last else f"{last['wanted']} -> {last['decision']} ({last['reason']})"))
     if st["components"]:
         lines.append(f"{'component':<12} {'job':<10} {'state':<12} {'restarts':>8} {'heartbeat':>10}")
         for name, c in st["components"].items():
@@ -266,6 +275,8 @@ def scale(run_dir: Path, replicas: int) -> str:
         raise ValueError("a colocated run (launch.mode=colocated) has no rollout replicas to scale")
     if (run_dir / "DONE").exists():
         raise ValueError(f"{run_dir} has finished")
+    if cfg.rollout.server_url and replicas > 1:
+        raise ValueError("rollout.server_url is one server, which only one replica may drive")
     before = wanted_replicas(cfg, run_dir)
     request_scale(run_dir, replicas)
     sup = supervisor(run_dir, cfg)

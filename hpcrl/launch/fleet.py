@@ -35,12 +35,13 @@ SCALE = "scale.json"  # in <run_dir>/jobs/
 _ROLLOUT = re.compile(r"^rollout-(\d+)$")
 
 
-def request_scale(run_dir: Path, replicas: int) -> dict:
-    """Ask the run's supervisor for ``replicas`` rollout replicas; returns the request written."""
+def request_scale(run_dir: Path, replicas: int, by: str = "", reason: str = "") -> dict:
+    """Ask the run's supervisor for ``replicas`` rollout replicas (``by``: who asks, default the user; ``reason``:
+    why, for the autoscaler's decisions); returns the request written."""
     if replicas < 0:
         raise ValueError(f"the number of rollout replicas must be >= 0, got {replicas}")
-    req = {"replicas": replicas, "time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(),
-           "pid": os.getpid()}
+    req = {"replicas": replicas, "time": time.time(), "user": by or getpass.getuser(), "host": socket.gethostname(),
+           "pid": os.getpid(), **({"reason": reason} if reason else {})}
     (Path(run_dir) / "jobs").mkdir(parents=True, exist_ok=True)
     atomic.write_json(Path(run_dir) / "jobs" / SCALE, req)
     return req
@@ -82,4 +83,5 @@ def describe(req: dict | None) -> str:
     if req is None:
         return "rollout.replicas of the config"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.get("time", 0)))
-    return f"scale {req['replicas']} by {req.get('user', '?')} on {req.get('host', '?')} at {when}"
+    why = f" ({req['reason']})" if req.get("reason") else ""
+    return f"scale {req['replicas']} by {req.get('user', '?')} on {req.get('host', '?')} at {when}{why}"

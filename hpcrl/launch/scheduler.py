@@ -61,6 +61,10 @@ class Scheduler(Protocol):
     # does not run, so the watchdog does not expect its heartbeat and does not call it hung
     def queued(self, job_id: str) -> bool: ...
 
+    # whether a job for ``spec`` would start within ``within_s`` seconds (the autoscaler adds a rollout replica
+    # only then)
+    def has_room(self, spec: ComponentSpec, within_s: float) -> bool: ...
+
 
 class LocalScheduler:
     def __init__(self) -> None:
@@ -87,6 +91,9 @@ class LocalScheduler:
 
     def queued(self, job_id: str) -> bool:
         return False  # a process runs as soon as it is started
+
+    def has_room(self, spec: ComponentSpec, within_s: float) -> bool:
+        return True  # this host runs whatever it is given
 
     def wait(self, job_id: str, timeout: float) -> int | None:
         try:

@@ -53,7 +53,9 @@ import json
 import logging
 import os
 import signal
+import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -184,6 +186,24 @@ class SlurmScheduler:
         """Whether the job waits in Slurm's queue (submitted, or requeued after a preemption): its component
         is not running, so its heartbeat is not expected."""
         return job_id not in self._codes and self._state(job_id)[0] in QUEUED
+
+    def has_room(self, spec: ComponentSpec, within_s: float) -> bool:
+        """Whether ``sbatch --test-only`` says a job for ``spec`` would start within ``within_s`` seconds."""
+        try:
+            script = render_sbatch(spec, self.folder)
+        except SubmitRejected:
+            return False
+        with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="hpcrl-room-") as f:
+            f.write(script)
+            f.flush()
+            try:
+                proc = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                return False
+        m = re.search(r"to start at (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", proc.stderr + proc.stdout)
+        if proc.returncode != 0 or m is None:
+            return False
+        return time.mktime(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) <= time.time() + within_s
 
     def _code(self, job: submitit.Job, spec: ComponentSpec, state: str, reason: str) -> int | None:
         failed = sorted(job.paths.folder.glob("exit.*.json")) if state not in ("PENDING", "RUNNING") else []

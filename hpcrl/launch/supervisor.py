@@ -55,6 +55,7 @@ from hpcrl.plugins import resolve
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
+from hpcrl.launch.autoscale import Autoscaler
 from hpcrl.launch.fleet import describe, plan, replica_of, scale_requested, wanted_replicas
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
@@ -277,6 +278,8 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
     for name in jobs:
         watchdog.started(name)
     cleaned, draining = time.time(), {}  # draining: replica -> when it is killed if it has not exited
+    autoscaler = Autoscaler(cfg, run_dir) if cfg.launch.autoscale.enabled else None
+    room = (lambda: scheduler.has_room(_rollout_spec(cfg, run_dir, 0), cfg.launch.autoscale.room_within_s))
     while True:
         if owner.superseded():
             raise RunTakenOver(f"owner epoch {owner.epoch + 1} claimed this run: stopping this supervisor's "
@@ -300,6 +303,9 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         done = (run_dir / "DONE").exists()
         if done and all(c == 0 for n, c in codes.items() if _must_finish(n)):
             break
+        said = autoscaler.tick(room) if autoscaler is not None else None
+        if said:
+            log.info("autoscale: %s", said)
         if _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
             continue  # job set changed: poll again
         beats = read_heartbeats(run_dir)
