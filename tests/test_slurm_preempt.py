@@ -122,3 +122,31 @@ def registry(run: Path) -> dict:
         return json.loads((run / "jobs" / "registry.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+def test_has_room_asks_slurm_whether_a_rollout_job_would_start_soon(tmp_path) -> None:
+    """The autoscaler's room check: ``sbatch --test-only`` on the job a replica would be; no room while a job of
+    the high partition holds node1 for longer than ``within_s``."""
+    from hpcrl.launch.config import ResourcesConfig
+    from hpcrl.launch.scheduler import ComponentSpec
+    from hpcrl.launch.slurm import SlurmScheduler
+
+    sched = SlurmScheduler(tmp_path / "slurm")
+    spec = ComponentSpec("rollout-1", ["true"], tmp_path / "rollout-1.log",
+                         resources=ResourcesConfig(cpus_per_task=4, extra_sbatch=["--nodelist=node1"]))
+    assert sched.has_room(spec, within_s=60)
+    holder = subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", "node1", "-c", "4", "-t", "10",
+                             "-o", "/dev/null", "--wrap", "sleep 300"], capture_output=True, text=True, check=True,
+                            timeout=60).stdout.strip()
+    try:
+        deadline = time.time() + 30
+        while subprocess.run(["squeue", "-h", "-j", holder, "-o", "%T"], capture_output=True, text=True,
+                             timeout=30).stdout.strip() != "RUNNING":
+            assert time.time() < deadline, "the holder job did not start"
+            time.sleep(0.5)
+        assert not sched.has_room(spec, within_s=60)  # node1 is taken for 10 minutes
+        assert sched.has_room(spec, within_s=3600)
+        bad = ComponentSpec("rollout-1", ["true"], tmp_path / "x.log", resources=ResourcesConfig(partition="nosuch"))
+        assert not sched.has_room(bad, within_s=3600)
+    finally:
+        subprocess.run(["scancel", holder], capture_output=True)

@@ -303,10 +303,10 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         done = (run_dir / "DONE").exists()
         if done and all(c == 0 for n, c in codes.items() if _must_finish(n)):
             break
-        said = autoscaler.tick(room) if autoscaler is not None else None
+        said = autoscaler.tick(room) if autoscaler is not None and not done else None
         if said:
             log.info("autoscale: %s", said)
-        if _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
+        if not done and _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
             continue  # job set changed: poll again
         beats = read_heartbeats(run_dir)
         for name, code in codes.items():
