@@ -131,7 +131,7 @@ def components(run_dir: Path) -> dict[str, dict]:
 def _slurm_states(job_ids: list[str]) -> dict[str, str]:
     if not job_ids:
         return {}
-    from hpcrl.launch.slurm import read_states  # submitit only where Slurm is used
+    from hpcrl.launch.slurm_state import read_states
 
     try:
         return {j: s for j, (s, _) in read_states(job_ids).items()}

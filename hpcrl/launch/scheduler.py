@@ -53,6 +53,10 @@ class Scheduler(Protocol):
 
     def poll(self, job_id: str) -> int | None: ...
 
+    # several components with the same resources in one request (a Slurm job array), one id each, in order; a
+    # scheduler without arrays submits them one by one
+    def submit_array(self, specs: list[ComponentSpec]) -> list[str]: ...
+
     def cancel(self, job_id: str, sig: int = signal.SIGTERM) -> None: ...
 
     def wait(self, job_id: str, timeout: float) -> int | None: ...
@@ -77,6 +81,9 @@ class LocalScheduler:
                                     env={**os.environ, **spec.env}, start_new_session=True)
         self._procs[str(proc.pid)] = proc
         return str(proc.pid)
+
+    def submit_array(self, specs: list[ComponentSpec]) -> list[str]:
+        return [self.submit(spec) for spec in specs]
 
     def poll(self, job_id: str) -> int | None:
         return self._procs[job_id].poll()

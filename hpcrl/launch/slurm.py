@@ -65,21 +65,11 @@ from hpcrl import atomic
 from hpcrl.launch.config import ResourcesConfig
 from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
 from hpcrl.launch.slurm_job import RESULTS, RunCommand, append_note, step_codes
+from hpcrl.launch.slurm_state import ENDED_BADLY, HOPELESS_REASONS, QUEUED, after_run, read_states, still_listed
 from hpcrl.runtime.owner import ENV_INSTANCE
 from hpcrl.runtime.preempt import EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
-
-# job states after which a job will never run again (sacct's first word of State)
-ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-               "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
-# states of a job that waits in the queue (submitted, or requeued by a preemption) and will run
-QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
-# pending reasons that no amount of waiting fixes
-HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
-                    "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
-                    "QOSNotAllowed", "PartitionDown", "PartitionInactive", "ReqNodeNotAvail, UnavailableNodes:"}
-
 
 def sbatch_options(res: ResourcesConfig, tasks: int) -> dict:
     """submitit SlurmExecutor parameters for one component's job (``tasks`` processes in all)."""
@@ -148,6 +138,31 @@ class SlurmScheduler:
         self._jobs[job.job_id] = (job, spec)
         log.info("submitted %s as Slurm job %s (%d task(s))", spec.name, job.job_id, spec.tasks)
         return job.job_id
+
+    def submit_array(self, specs: list[ComponentSpec]) -> list[str]:
+        """One ``sbatch --array`` for components of one kind (the rollout replicas: the same resources, one task
+        each), task k running ``specs[k]``; each task is then a job of its own (``<array id>_<k>``): polled,
+        signalled, cancelled and resubmitted alone. Fewer than two, or specs that differ, go one by one."""
+        if len(specs) < 2 or any(s.tasks != 1 or s.resources != specs[0].resources for s in specs):
+            return [self.submit(spec) for spec in specs]
+        executor = self.executor(specs[0])
+        executor.update_parameters(job_name=f"hpcrl-{specs[0].name.rsplit('-', 1)[0]}")
+        executor.parameters.pop("comment", None)  # set per task below
+        for spec in specs:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            jobs = executor.submit_array([RunCommand(s.argv, s.env, str(s.log_path), str(self.folder / "%j"))
+                                          for s in specs])
+        except submitit.core.utils.FailedJobError as e:
+            raise SubmitRejected(specs[0].name, _slurm_message(str(e))) from None
+        for job, spec in zip(jobs, specs):
+            self._jobs[job.job_id] = (job, spec)
+            if spec.comment:  # each task its own comment (run, component, epoch, instance)
+                subprocess.run(["scontrol", "update", f"JobId={job.job_id}", f"Comment={spec.comment}"],
+                               capture_output=True, timeout=60)
+        log.info("submitted %s as the Slurm job array %s", ", ".join(s.name for s in specs),
+                 jobs[0].job_id.split("_")[0])
+        return [job.job_id for job in jobs]
 
     def poll(self, job_id: str) -> int | None:
         if job_id in self._codes:
@@ -259,36 +274,6 @@ class SlurmScheduler:
         return code
 
 
-def still_listed(job_id: str) -> bool:
-    """Whether ``squeue`` still lists the job (e.g. COMPLETING: its processes have not all ended)."""
-    try:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return proc.returncode == 0 and bool(proc.stdout.strip())
-
-
-def after_run(job_id: str, t: float) -> tuple[str, str]:
-    """What ``squeue`` shows of a job one run of which ended at time ``t``: ("ended", "") once it is no longer
-    listed, ("requeued", how) when Slurm queued it again (pending again, or running again with a later start),
-    or ("ending", state) while that run's processes still stop."""
-    try:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%S"], capture_output=True, text=True,
-                              timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return "ending", "squeue did not answer"
-    state, _, start = (proc.stdout.strip().splitlines() or [""])[0].partition("|")
-    if proc.returncode != 0 or not state:
-        return "ended", ""
-    if state in QUEUED:
-        return "requeued", state
-    try:
-        started = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return "ending", state
-    return ("requeued", f"{state} again since {start}") if started > t + 1 else ("ending", state)
-
-
 def signal_job(job_id: str, sig: int = signal.SIGTERM) -> None:
     """Signal a component's job (SIGKILL: cancel it). A component that sees SIGTERM may ask for its own
     requeue (preemption handling): a job being stopped must not come back, so it is made non-requeueable first."""
@@ -304,26 +289,6 @@ def render_sbatch(spec: ComponentSpec, folder: Path) -> str:
     """The sbatch script submitit writes for ``spec`` (the job's command shown as in the real file)."""
     executor = SlurmScheduler(folder).executor(spec)
     return executor._make_submission_file_text(executor._submitit_command_str, "render")
-
-
-def read_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """Job id -> (state, reason) from sacct (falls back to squeue while slurmdbd lags)."""
-    if not job_ids:
-        return {}
-    out: dict[str, tuple[str, str]] = {}
-    cmd = ["sacct", "-n", "-P", "-X", "-o", "JobID,State,Reason", "-j", ",".join(job_ids)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    for line in proc.stdout.splitlines():
-        jid, state, reason = (line.split("|") + ["", ""])[:3]
-        out[jid] = (state.split(" ")[0], reason)
-    missing = [j for j in job_ids if j not in out]
-    if missing:
-        cmd = ["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(missing)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        for line in proc.stdout.splitlines():
-            jid, state, reason = (line.split("|") + ["", ""])[:3]
-            out[jid] = (state, reason)
-    return out
 
 
 def _slurm_message(text: str) -> str:

@@ -46,10 +46,17 @@ class RunCommand:
             code = run_forwarding(self.argv, {**os.environ, **self.env}, log)
         if code in RESULTS or not self.folder:
             return code
-        folder = self.folder.replace("%j", os.environ.get("SLURM_JOB_ID", "%j"))
+        folder = self.folder.replace("%j", job_name())
         exit_file(folder, rank).write_text(json.dumps({"code": code, "time": time.time()}))
         end_like(code)
         return code  # not reached
+
+
+def job_name() -> str:
+    """This job's id as submitit names its folder: ``<array id>_<task>`` for a task of a job array."""
+    if os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID", "%j")
 
 
 def run_forwarding(argv: list[str], env: dict[str, str], stdout=None) -> int:

@@ -222,10 +222,13 @@ def _stamp(spec: ComponentSpec, owner: Owner) -> ComponentSpec:
 
 def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owner: Owner) -> None:
     (run_dir / "jobs").mkdir(exist_ok=True)
-    for spec in component_specs(cfg, run_dir):
-        jobs[spec.name] = (scheduler.submit(_stamp(spec, owner)), spec)
-        log.info("started %s (%s %s), log %s", spec.name, scheduler_spec(cfg.launch.scheduler).job_word,
-                 jobs[spec.name][0], spec.log_path)
+    specs = component_specs(cfg, run_dir)
+    rollouts = [s for s in specs if replica_of(s.name) is not None]  # one request (a Slurm job array)
+    for batch in [[s] for s in specs if s not in rollouts] + ([rollouts] if rollouts else []):
+        for spec, job_id in zip(batch, scheduler.submit_array([_stamp(s, owner) for s in batch])):
+            jobs[spec.name] = (job_id, spec)
+            log.info("started %s (%s %s), log %s", spec.name, scheduler_spec(cfg.launch.scheduler).job_word,
+                     job_id, spec.log_path)
         _write_registry(cfg, run_dir, jobs)
 
 

@@ -220,6 +220,6 @@ def kill_job(rec: dict) -> None:
 
 
 def slurm_state(job_id: str) -> str:
-    from hpcrl.launch.slurm import read_states  # submitit only where Slurm is used
+    from hpcrl.launch.slurm_state import read_states
 
     return read_states([job_id]).get(job_id, ("UNKNOWN", ""))[0]

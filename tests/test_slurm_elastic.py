@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,3 +151,42 @@ def test_has_room_asks_slurm_whether_a_rollout_job_would_start_soon(tmp_path) ->
         assert not sched.has_room(bad, within_s=3600)
     finally:
         subprocess.run(["scancel", holder], capture_output=True)
+
+
+def test_rollout_replicas_are_one_job_array_whose_tasks_restart_alone(tmp_path) -> None:
+    """``rollout.replicas=2`` under Slurm: one ``sbatch --array`` (each task its own comment); a task that is
+    scancelled is resubmitted alone, as a job of its own, while the other task runs on; ``status`` shows each."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    cmd = submit_cmd(run, cache, "trainer.total_steps=200", "eval.every_steps=0", "rollout.replicas=2",
+                     "watchdog.backoff_s=0.5")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"),
+                            env=job_env(), cwd=ROOT)
+    try:
+        wait_for(lambda: last_step(run) >= 15, proc, "step 15")
+        first, second = registry(run)["rollout-0"]["job_id"], registry(run)["rollout-1"]["job_id"]
+        array = first.split("_")[0]
+        assert (first, second) == (f"{array}_0", f"{array}_1"), registry(run)
+        rows = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%j|%k", "-j", array], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.splitlines()  # (sacct has the comments once they end)
+        names = {r.split("|")[0]: r.split("|")[1:] for r in rows}
+        assert {j: n for j, (n, _) in names.items()} == {first: "hpcrl-rollout", second: "hpcrl-rollout"}, rows
+        assert ",component=rollout-1," in names[second][1], rows
+        subprocess.run(["scancel", second], check=True, timeout=60)
+        wait_for(lambda: registry(run)["rollout-1"]["job_id"] != second, proc, "rollout-1 resubmitted")
+        alone = registry(run)["rollout-1"]["job_id"]
+        assert "_" not in alone and registry(run)["rollout-0"]["job_id"] == first  # the other task runs on
+        wait_for(lambda: json.loads(subprocess.run(
+            [sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True, text=True,
+            timeout=120, env=job_env(), cwd=ROOT).stdout)["components"]["rollout-1"]["state"] == "RUNNING", proc,
+            "status of the resubmitted task")
+        st = json.loads(subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"],
+                                       capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT).stdout)
+        assert {n: (c["job_id"], c["state"]) for n, c in st["components"].items() if n.startswith("rollout")} == \
+            {"rollout-0": (first, "RUNNING"), "rollout-1": (alone, "RUNNING")}, st["components"]
+        assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == 200 and rep.unfinished == 0

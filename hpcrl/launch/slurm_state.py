@@ -1,0 +1,72 @@
+"""What Slurm says of jobs: their states from ``sacct``/``squeue``, and what became of a job after one of its runs.
+
+Light (no submitit): the Slurm scheduler (:mod:`hpcrl.launch.slurm`) polls with it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+# job states after which a job will never run again (sacct's first word of State)
+ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+               "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
+# states of a job that waits in the queue (submitted, or requeued by a preemption) and will run
+QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
+# pending reasons that no amount of waiting fixes
+HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
+                    "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
+                    "QOSNotAllowed", "PartitionDown", "PartitionInactive", "ReqNodeNotAvail, UnavailableNodes:"}
+
+
+def still_listed(job_id: str) -> bool:
+    """Whether ``squeue`` still lists the job (e.g. COMPLETING: its processes have not all ended)."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+def after_run(job_id: str, t: float) -> tuple[str, str]:
+    """What ``squeue`` shows of a job one run of which ended at time ``t``: ("ended", "") once it is no longer
+    listed, ("requeued", how) when Slurm queued it again (pending again, or running again with a later start),
+    or ("ending", state) while that run's processes still stop."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%S"], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "ending", "squeue did not answer"
+    state, _, start = (proc.stdout.strip().splitlines() or [""])[0].partition("|")
+    if proc.returncode != 0 or not state:
+        return "ended", ""
+    if state in QUEUED:
+        return "requeued", state
+    try:
+        started = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return "ending", state
+    return ("requeued", f"{state} again since {start}") if started > t + 1 else ("ending", state)
+
+
+
+
+
+def read_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """Job id -> (state, reason) from sacct (falls back to squeue while slurmdbd lags)."""
+    if not job_ids:
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    cmd = ["sacct", "-n", "-P", "-X", "-o", "JobID,State,Reason", "-j", ",".join(job_ids)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    for line in proc.stdout.splitlines():
+        jid, state, reason = (line.split("|") + ["", ""])[:3]
+        out[jid] = (state.split(" ")[0], reason)
+    missing = [j for j in job_ids if j not in out]
+    if missing:
+        cmd = ["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(missing)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        for line in proc.stdout.splitlines():
+            jid, state, reason = (line.split("|") + ["", ""])[:3]
+            out[jid] = (state, reason)
+    return out
