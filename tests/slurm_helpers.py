@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hpcrl.metrics.writer import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 START = "bash scripts/slurm_cluster.sh start"
@@ -70,3 +73,25 @@ def wait_not_active(job_ids: list[str], timeout: float = 30.0) -> dict[str, str]
         if time.time() > deadline:
             return states
         time.sleep(1)
+
+
+def registry(run: Path) -> dict:
+    """The run's job registry (component -> job record), or {} while it is being written."""
+    try:
+        return json.loads((run / "jobs" / "registry.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def last_step(run: Path) -> int:
+    steps = [r["step"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "reward/mean" in r]
+    return steps[-1] if steps else 0
+
+
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    """Wait until ``cond()``; fail when the run (``proc``) ends first or after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"run ended while waiting for {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)

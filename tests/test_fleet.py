@@ -7,10 +7,9 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
+from slurm_helpers import wait_for
 from test_e2e import ROOT, cache, submit_args  # noqa: F401 (cache: the fixture of the e2e runs)
 
 from hpcrl.audit import audit
@@ -43,12 +42,6 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"run ended while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 @pytest.mark.slow

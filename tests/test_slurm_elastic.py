@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, submit_cmd
+from slurm_helpers import ROOT, cluster_skip_reason, job_env, last_step, registry, submit_cmd, wait_for
 
 from hpcrl.audit import audit
-from hpcrl.metrics.writer import read_metrics
 
 _reason = cluster_skip_reason()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
@@ -31,9 +30,6 @@ PLACED = ["launch.rollout.cpus_per_task=4", "launch.rollout.extra_sbatch=[--node
           "launch.trainer.extra_sbatch=[--nodelist=node2]"]
 
 
-def last_step(run: Path) -> int:
-    steps = [r["step"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "reward/mean" in r]
-    return steps[-1] if steps else 0
 
 
 def starts(run: Path) -> int:
@@ -44,12 +40,6 @@ def starts(run: Path) -> int:
         return 0
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"run ended while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def preempt_node1(tmp_path: Path, hold_s: int = 25) -> str:
@@ -118,11 +108,6 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     assert "resumed from" not in trainer.read_text(errors="replace")  # the trainer never stopped
 
 
-def registry(run: Path) -> dict:
-    try:
-        return json.loads((run / "jobs" / "registry.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def test_has_room_asks_slurm_whether_a_rollout_job_would_start_soon(tmp_path) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from chaos_script import load_chaos
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd, wait_not_active
+from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, run_args, sacct, submit_cmd,
+                           wait_for, wait_not_active)
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -25,24 +26,10 @@ _reason = cluster_skip_reason()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 
 
-def registry(run: Path) -> dict:
-    try:
-        return json.loads((run / "jobs" / "registry.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
-def last_step(run: Path) -> int:
-    steps = [r["step"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "reward/mean" in r]
-    return steps[-1] if steps else 0
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"run ended while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
