@@ -320,3 +320,12 @@ def test_status_shows_the_scorings_that_failed(tmp_path) -> None:
     assert "(infra_error; held and scored again, never trained as 0): rollout-0 12" in format_status(st)
     st["components"]["rollout-0"]["infra_errors"] = 0
     assert "infra_error" not in format_status(st)
+    assert "rollout replicas" not in format_status(st)  # a snapshot without the fleet (written before it existed)
+    st["fleet"] = {"wanted": 2, "request": None, "autoscale": True,
+                   "assessment": {"wait_share": 0.25, "window_s": 60, "ready_groups": 3, "bound_groups": 48,
+                                  "last_decision": {"wanted": 1, "decision": 2, "reason": "the trainer waited"}}}
+    st["components"]["rollout-0"]["alive"] = True
+    text = format_status(st)
+    assert "rollout replicas: 2 wanted (rollout.replicas of the config), 1 running" in text, text
+    assert "autoscale: trainer waited 25% of the last 60s, ready groups 3/48; last decision: 1 -> 2 (the trainer " \
+        "waited)" in text, text

@@ -239,12 +239,13 @@ def format_status(st: dict) -> str:
                  f"  last metrics {v(p['metrics_age_s'], '{:.0f}')}s ago")
     lines.append(f"checkpoint: {v(p['checkpoint'])}  tickets admitted {p['tickets_admitted']}, "
                  f"dropped {p['tickets_dropped']}, reissues waiting {p['reissues_waiting']}")
-    if st["fleet"]["wanted"] is not None:
-        running = sum(1 for n, c in st["components"].items() if n.startswith("rollout-") and c["alive"])
-        lines.append(f"rollout replicas: {st['fleet']['wanted']} wanted ({describe(st['fleet']['request'])}), "
+    fleet = st.get("fleet") or {}
+    if fleet.get("wanted") is not None:
+        running = sum(1 for n, c in st["components"].items() if n.startswith("rollout-") and c.get("alive"))
+        lines.append(f"rollout replicas: {fleet['wanted']} wanted ({describe(fleet.get('request'))}), "
                      f"{running} running")
-    a = st["fleet"]["assessment"]
-    if st["fleet"]["autoscale"] and a:
+    a = fleet.get("assessment")
+    if fleet.get("autoscale") and a:
         share = "-" if a.get("wait_share") is None else f"{a['wait_share']:.0%}"
         last = a.get("last_decision")
         lines.append(f"autoscale: trainer waited {share} of the last {a.get('window_s', 0):.0f}s, ready groups "
