@@ -74,6 +74,11 @@ def test_a_service_that_is_down_gives_infra_errors_and_a_new_one_loses_nothing(t
     assert service.pump() == 1  # a file it cannot read is answered, not retried forever
     assert json.loads((tmp_path / "reward" / "results" / "forged.json").read_text())["status"] == "invalid"
     scorer.close()
+    (tmp_path / "DONE").write_text("")  # the run ended: the service exits, and a rollout does not wait for it
+    late = ServiceClient(RewardConfig(service=True, service_wait_s=30), tmp_path, "r1-y")
+    t0 = time.monotonic()
+    assert [r.status for r in late.score_many(ITEMS[:1])] == ["infra_error"] and time.monotonic() - t0 < 5
+    assert late.score_many(ITEMS[:1])[0].detail == "the run ended before the reward service scored it"
 
 
 @pytest.mark.slow

@@ -63,6 +63,28 @@ def test_submit_with_slurm_runs_each_component_as_its_own_job(tmp_path, cache) -
     assert rep.trained_groups == 8 * 4 and rep.evaluations == 3
 
 
+def test_the_reward_service_is_a_slurm_job_of_its_own(tmp_path, cache) -> None:
+    """``reward.service=true``: the reward service runs as its own job (resources ``launch.reward``), the rollout
+    hands it every group to score, and the run ends with the service's job COMPLETED."""
+    run = tmp_path / "run"
+    proc = subprocess.run(submit_cmd(run, cache, "trainer.total_steps=8", "eval.every_steps=0", "reward.service=true",
+                                     "launch.reward.partition=debug", "launch.reward.cpus_per_task=1"),
+                          capture_output=True, text=True, timeout=240, env=job_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    registry = json.loads((run / "jobs" / "registry.json").read_text())
+    assert set(registry) == {"trainer", "rollout-0", "reward"}
+    wait_not_active([registry["reward"]["job_id"]])
+    assert sacct(registry["reward"]["job_id"])[registry["reward"]["job_id"]][:2] == ("hpcrl-reward", "COMPLETED")
+    assert "reward service started" in (run / "logs" / "reward.log").read_text()
+    stats = json.loads((run / "logs" / "rollout-0.stats.json").read_text())
+    # every group scored by the service; a group still waiting for its score when the run ended is an infra error,
+    # never trained (the audit checks every trained sample's reward status)
+    assert stats["reward"]["ok"] >= 8 * 4 * 4 and stats["samples_infra_error"] <= 4 * 4, stats
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == 8
+
+
 def test_sbatch_het_job_runs_trainer_and_rollout_in_separate_het_groups(tmp_path, cache) -> None:
     """Through scripts/submit_sbatch.sh: it finds the checkout's Python by itself, checks the run (dry run,
     sbatch --test-only), then queues sbatch/run_async_ppo.sh with Slurm's output in the run directory."""

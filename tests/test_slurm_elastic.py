@@ -56,7 +56,7 @@ def sacct_runs(job_id: str) -> list[str]:
     return [ln.split("|")[1].split(" ")[0] for ln in out.splitlines() if ln]
 
 
-@pytest.mark.parametrize("partition,preemptions", [("scavenger", 2), ("scavenger_cancel", 1)])
+@pytest.mark.parametrize("partition,preemptions", [("scavenger", 1), ("scavenger_cancel", 1)])
 def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_completes(tmp_path, partition,
                                                                                         preemptions) -> None:
     """Each preemption: the rollout hands its groups back and stops (SIGTERM from Slurm), comes back once the

@@ -65,7 +65,7 @@ class ServiceClient:
     """A rollout's :class:`~hpcrl.reward.scorer.Scorer` when ``reward.service`` is on (module docstring)."""
 
     def __init__(self, cfg: RewardConfig, run_dir: Path, writer: str) -> None:
-        self.cfg, self.writer = cfg, writer
+        self.cfg, self.writer, self.done = cfg, writer, Path(run_dir) / "DONE"
         self.requests, self.results = _dirs(run_dir)
         self.requests.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
@@ -91,12 +91,13 @@ class ServiceClient:
                         got[name] = RewardResult(**atomic.read_json(self.results / name))
                     except FileNotFoundError:
                         continue
-                if len(got) == len(set(names)) or time.monotonic() >= deadline:
-                    break
+                if len(got) == len(set(names)) or time.monotonic() >= deadline or self.done.exists():
+                    break  # (once the run is done the service exits: nothing more will be scored)
                 time.sleep(self.cfg.service_poll_s)
             for name in got:
                 (self.results / name).unlink(missing_ok=True)
-            why = f"the reward service did not score it within {self.cfg.service_wait_s:g} s (reward.service_wait_s)"
+            why = ("the run ended before the reward service scored it" if self.done.exists() else
+                   f"the reward service did not score it within {self.cfg.service_wait_s:g} s (reward.service_wait_s)")
         except (OSError, ValueError, TypeError) as e:  # the run directory failed us: not the samples' fault
             why = f"the reward service's files: {type(e).__name__}: {e}"
         self._down = bool(names) and not got
