@@ -112,6 +112,29 @@ def test_a_cancelled_job_is_classified_by_what_its_component_did_not_by_when_the
     assert scheduler._code(job, spec, "FAILED", "") == -9
 
 
+def test_a_preempted_job_is_a_free_restart_or_left_to_slurms_requeue_whatever_its_component_died_of(
+        tmp_path, monkeypatch) -> None:
+    """SIGTERM from a preemption before the component set its handler kills it (the wrapper writes -15): not a
+    failure. Cancelled (PREEMPTED, gone): a free restart (75); requeued: the job comes back, nothing to decide;
+    PREEMPTED without a code of the component's own: a free restart too."""
+    from hpcrl.launch import slurm
+
+    job, spec = FakeJob(tmp_path), specs()["rollout_default"]
+    spec.log_path = tmp_path / "rollout-0.log"
+    scheduler = SlurmScheduler(tmp_path)
+    after = {"77": ("requeued", "PENDING")}
+    monkeypatch.setattr(slurm, "after_run", lambda job_id, t: after[job_id])
+    monkeypatch.setattr(slurm, "still_listed", lambda job_id: False)
+    (tmp_path / "exit.0.json").write_text('{"code": -15}')
+    assert scheduler._code(job, spec, "REQUEUED", "") is None
+    assert scheduler._code(job, spec, "PREEMPTED", "") is None  # the same job runs again
+    after["77"] = ("ended", "")
+    assert scheduler._code(job, spec, "PREEMPTED", "") == 75
+    assert "was preempted and its component died of it (-15)" in spec.log_path.read_text()
+    (tmp_path / "exit.0.json").unlink()
+    assert scheduler._code(job, spec, "PREEMPTED", "") == 75  # killed after the grace time, no code of its own
+
+
 def test_an_srun_step_stopped_to_be_restarted_ends_completed_and_hands_its_code_to_the_supervisor(tmp_path) -> None:
     """A component that exits 75 (walltime, preemption) inside an ``srun`` step used to leave the step FAILED
     75:0 in sacct. Each task now runs under ``slurm_job --codes``: 0 and 75 end the task 0 (COMPLETED), a

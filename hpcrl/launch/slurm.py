@@ -222,6 +222,14 @@ class SlurmScheduler:
 
     def _code(self, job: submitit.Job, spec: ComponentSpec, state: str, reason: str) -> int | None:
         failed = sorted(job.paths.folder.glob("exit.*.json")) if state not in ("PENDING", "RUNNING") else []
+        if failed and state in ("PREEMPTED", "REQUEUED"):  # e.g. SIGTERM before the component's handler was set
+            what, _ = after_run(job.job_id, failed[0].stat().st_mtime)
+            if what != "ended":
+                return None  # requeued (its next run removes the file) or still ending
+            append_note(spec.log_path, f"Slurm job {job.job_id} was preempted and its component died of it "
+                                       f"({json.loads(failed[0].read_text())['code']}); starting it again is not a "
+                                       "failure")
+            return EXIT_REQUEUE
         if failed:  # a task whose component failed wrote its code, then ended the same way (slurm_job)
             code = int(json.loads(failed[0].read_text())["code"])
             append_note(spec.log_path, f"Slurm job {job.job_id} ({state}): the component "

@@ -40,13 +40,15 @@ class RunCommand:
 
     def __call__(self) -> int:
         rank = os.environ.get("SLURM_PROCID", "0")
+        folder = self.folder.replace("%j", job_name())
+        if folder:  # a run of a job that Slurm requeued: the code the run before wrote is not this run's
+            exit_file(folder, rank).unlink(missing_ok=True)
         path = Path(self.log_path.replace("{rank}", rank))
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab") as log:
             code = run_forwarding(self.argv, {**os.environ, **self.env}, log)
         if code in RESULTS or not self.folder:
             return code
-        folder = self.folder.replace("%j", job_name())
         exit_file(folder, rank).write_text(json.dumps({"code": code, "time": time.time()}))
         end_like(code)
         return code  # not reached
