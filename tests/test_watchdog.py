@@ -68,3 +68,20 @@ def test_heartbeat_of_a_previous_incarnation_does_not_count() -> None:
 def test_disabled_watchdog_fails_at_once() -> None:
     w = Watchdog(WatchdogConfig(enabled=False), Clock())
     assert w.assess("rollout-0", 1, None).action == "fail"
+
+
+def test_a_stop_signal_while_a_component_starts_is_kept_for_its_preemption_flag() -> None:
+    """Slurm may preempt a rollout while Python still imports torch: the component's ``__main__`` catches the
+    signal first (``catch_early``), so the process is not killed by it and stops at its first safe point."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal\n"
+            "from hpcrl.runtime.preempt import PreemptionFlag, catch_early\n"
+            "catch_early()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)  # before the flag exists: the default action would kill it\n"
+            "flag = PreemptionFlag()\n"
+            "print(flag.requested, signal.Signals(flag.signum).name)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "SIGTERM"], proc.stderr
+    assert "received SIGTERM while starting" in proc.stderr

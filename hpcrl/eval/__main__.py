@@ -1,3 +1,9 @@
-from hpcrl.eval.main import main
+"""``python -m hpcrl.eval``: the stop signals are caught before the slow imports (hpcrl.runtime.preempt)."""
+
+from hpcrl.runtime.preempt import catch_early
+
+catch_early()
+
+from hpcrl.eval.main import main  # noqa: E402
 
 main()

@@ -30,6 +30,20 @@ import subprocess
 
 log = logging.getLogger(__name__)
 EXIT_REQUEUE = 75
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+_early: int | None = None  # a stop signal that came before the process's PreemptionFlag existed
+
+
+def catch_early() -> None:
+    """Record SIGUSR2/SIGTERM from the very start of a component process, before its slow imports (torch):
+    its :class:`PreemptionFlag` then starts with the signal, so a preemption or a walltime signal while it is
+    starting stops it cleanly (exit 75) instead of killing it. Each component's ``__main__`` calls it first."""
+    def record(signum: int, frame) -> None:
+        global _early
+        _early = _early or signum
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, record)
 
 
 class Preempted(Exception):
@@ -37,9 +51,11 @@ class Preempted(Exception):
 
 
 class PreemptionFlag:
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
-        self.signum: int | None = None
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+        self.signum: int | None = _early if set(signals) >= set(STOP_SIGNALS) else None
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
+        if self.signum is not None:
+            log.warning("received %s while starting: stopping at the first safe point", signal.Signals(self.signum).name)
 
     def close(self) -> None:
         """Put back the handlers that were there before."""
