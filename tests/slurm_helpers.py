@@ -88,10 +88,12 @@ def last_step(run: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    """Wait until ``cond()``; fail when the run (``proc``) ends first or after ``timeout`` seconds."""
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180, log: Path | None = None) -> None:
+    """Wait until ``cond()``; fail when the run (``proc``) ends first or after ``timeout`` seconds, with the tail
+    of the run's own output (``log``) in the message."""
     deadline = time.time() + timeout
     while not cond():
-        assert proc.poll() is None, f"run ended while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
+        tail = (log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else "")
+        assert proc.poll() is None, f"run ended while waiting for {what}\n{tail}"
+        assert time.time() < deadline, f"timed out waiting for {what}\n{tail}"
         time.sleep(0.5)

@@ -138,9 +138,12 @@ def test_two_trainer_ranks_and_two_rollouts(tmp_path, cache) -> None:
 
 def test_failing_component_stops_the_run_with_its_log(tmp_path, cache) -> None:
     run = tmp_path / "fail"
-    proc = submit(run, cache, "trainer.backend=nccl", timeout=120)  # no CUDA here: the trainer fails at start
+    # no CUDA here: the trainer fails at start, is restarted once, fails again and spends its budget
+    proc = submit(run, cache, "trainer.backend=nccl", "watchdog.max_restarts=1", "watchdog.backoff_s=0.5",
+                  timeout=120)
     assert proc.returncode == 1
     assert "exited with code" in proc.stderr and ("trainer-r0" in proc.stderr or "rollout-0" in proc.stderr)
+    assert "restart budget spent (1/1)" in proc.stderr, proc.stderr[-3000:]
     registry = json.loads((run / "jobs" / "registry.json").read_text())
     for job in registry.values():
         status = Path(f"/proc/{job['job_id']}/status")

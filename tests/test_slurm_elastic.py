@@ -68,21 +68,23 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "eval.every_steps=0", "watchdog.backoff_s=0.5",
                      "watchdog.max_restarts=0", "watchdog.startup_grace_s=15", f"launch.rollout.partition={partition}",
                      *PLACED)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"),
-                            env=job_env(), cwd=ROOT)
+    out = tmp_path / "submit.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out, "w"), env=job_env(), cwd=ROOT)
     high: list[str] = []
     requeued = ""
     try:
         for k in range(preemptions):
-            wait_for(lambda: last_step(run) >= 15 + 25 * k and starts(run) == k + 1, proc, f"step {15 + 25 * k}")
+            wait_for(lambda: last_step(run) >= 15 + 25 * k and starts(run) == k + 1, proc, f"step {15 + 25 * k}",
+                     log=out)
             high.append(preempt_node1(tmp_path))
-            wait_for(lambda: starts(run) == k + 2, proc, f"the rollout back after preemption {k + 1}")
+            wait_for(lambda: starts(run) == k + 2, proc, f"the rollout back after preemption {k + 1}",
+                     log=out)
             step = last_step(run)
-            wait_for(lambda: last_step(run) >= step + 5, proc, f"progress after preemption {k + 1}")
+            wait_for(lambda: last_step(run) >= step + 5, proc, f"progress after preemption {k + 1}", log=out)
         if partition == "scavenger":
             requeued = registry(run)["rollout-0"]["job_id"]
             subprocess.run(["scontrol", "requeue", requeued], check=True, capture_output=True, timeout=60)
-            wait_for(lambda: starts(run) == preemptions + 2, proc, "the requeued rollout job running again")
+            wait_for(lambda: starts(run) == preemptions + 2, proc, "the requeued rollout job running again", log=out)
         assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-4000:]
     finally:
         if proc.poll() is None:

@@ -135,6 +135,25 @@ def test_a_preempted_job_is_a_free_restart_or_left_to_slurms_requeue_whatever_it
     assert scheduler._code(job, spec, "PREEMPTED", "") == 75  # killed after the grace time, no code of its own
 
 
+def test_a_job_pending_for_a_node_that_is_busy_or_reserved_waits_and_one_that_can_never_start_is_given_up(
+        tmp_path, monkeypatch) -> None:
+    """A rollout resubmitted to the node it was just preempted from waits with ``ReqNodeNotAvail`` (the node is
+    reserved for the preemptor): it used to be cancelled as hopeless, a charged failure that ended the run."""
+    from hpcrl.launch import slurm
+
+    job, spec = FakeJob(tmp_path), specs()["rollout_default"]
+    spec.log_path = tmp_path / "rollout-0.log"
+    scheduler = SlurmScheduler(tmp_path)
+    cancelled: list[str] = []
+    monkeypatch.setattr(scheduler, "cancel", lambda job_id, sig=None: cancelled.append(job_id))
+    for reason in ("ReqNodeNotAvail, UnavailableNodes:", "ReqNodeNotAvail, UnavailableNodes:node1",
+                   "ReqNodeNotAvail", "Resources", "Priority", "BeginTime"):
+        assert scheduler._code(job, spec, "PENDING", reason) is None, reason
+    assert not cancelled
+    assert scheduler._code(job, spec, "PENDING", "PartitionTimeLimit") == 1
+    assert cancelled == ["77"] and "can never start" in spec.log_path.read_text()
+
+
 def test_an_srun_step_stopped_to_be_restarted_ends_completed_and_hands_its_code_to_the_supervisor(tmp_path) -> None:
     """A component that exits 75 (walltime, preemption) inside an ``srun`` step used to leave the step FAILED
     75:0 in sacct. Each task now runs under ``slurm_job --codes``: 0 and 75 end the task 0 (COMPLETED), a

@@ -13,10 +13,12 @@ ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "
                "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
 # states of a job that waits in the queue (submitted, or requeued by a preemption) and will run
 QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
-# pending reasons that no amount of waiting fixes
+# pending reasons that no amount of waiting fixes. Not ReqNodeNotAvail: a node the job asks for is in use,
+# reserved for a preempting job or a maintenance window, or completing its last job (a rollout pinned to a node
+# from which it was just preempted waits with it until the preemptor is done)
 HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
                     "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
-                    "QOSNotAllowed", "PartitionDown", "PartitionInactive", "ReqNodeNotAvail, UnavailableNodes:"}
+                    "QOSNotAllowed", "PartitionDown", "PartitionInactive"}
 
 
 def still_listed(job_id: str) -> bool:
