@@ -152,7 +152,9 @@ def test_autoscaler_tick_writes_a_request_logs_every_assessment_and_cools_down(t
     assert last_assessment(tmp_path)["last_decision"]["reason"] == req["reason"]
 
 
-@pytest.mark.slow
+# the same path on Slurm (room asked of sbatch --test-only, the replica a job of its own, drained by `scale`) is in
+# the default suite: tests/test_slurm_elastic.py; this local run is opt-in (-m long)
+@pytest.mark.long
 def test_autoscaled_run_grows_to_its_maximum_when_the_trainer_waits(tmp_path, cache) -> None:
     """The trainer waits for data (a low threshold makes that certain here): the autoscaler adds a replica, the
     run never has more than max_replicas, and it completes with its audit clean."""

@@ -102,6 +102,35 @@ def test_train_keeps_best_accuracy_weights(base, caplog):
     assert not all(torch.equal(final[k], states[2][k]) for k in final)
 
 
+def test_a_check_above_the_band_replays_the_same_batches_checking_twice_as_often(base, caplog):
+    """sft.max_accuracy: the accuracy jumps past the band between two checks (step 8); the warm start goes back
+    to step 4 and replays: the checks at 6 and 8 see the same weights the first pass had at 8 (deterministic),
+    and the first check in the band ends it."""
+    model, tok = load_model(base), load_tokenizer(base)
+    data = ws._tokenize(tok, rows(64, 0), False)
+    scripted, states = iter([0.1, 0.9, 0.15, 0.35]), []
+
+    def evaluate():
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(scripted)
+
+    cfg = SFTConfig(batch_size=8, max_steps=40, eval_every=4, target_accuracy=0.3, max_accuracy=0.4, threads=1)
+    with caplog.at_level(logging.INFO, logger="hpcrl.sft.warm_start"):
+        acc, step = ws._train(cfg, model, tok, data, evaluate)
+    assert (acc, step) == (0.35, 8) and "replaying from step 4, checking every 2 steps" in caplog.text
+    first_at_8, replayed_at_8, at_4 = states[1], states[3], states[0]
+    assert all(torch.equal(first_at_8[k], replayed_at_8[k]) for k in first_at_8)
+    assert not all(torch.equal(at_4[k], replayed_at_8[k]) for k in at_4)
+    # checks every step already and still past the band: the first step above the target is kept
+    scripted = iter([0.1, 0.9, 0.1, 0.9])
+    cfg = SFTConfig(batch_size=8, max_steps=40, eval_every=2, target_accuracy=0.3, max_accuracy=0.4, threads=1)
+    with caplog.at_level(logging.WARNING, logger="hpcrl.sft.warm_start"):
+        assert ws._train(cfg, load_model(base), tok, data, evaluate) == (0.9, 4)  # checks at 2, 4, then 3, 4
+    assert "in one step, past the band's top" in caplog.text
+    with pytest.raises(ValueError, match="max_accuracy"):
+        SFTConfig(target_accuracy=0.5, max_accuracy=0.4)
+
+
 def test_warm_start_trains_caches_and_is_deterministic(base, tmp_path):
     train, evals = rows(400, 0), rows(20, 99)
     cfg = SFTConfig(batch_size=16, max_steps=30, eval_every=10, eval_size=20, target_accuracy=1.01,

@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, last_step, registry, submit_cmd, wait_for
+from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, submit_cmd, wait_for,
+                           wait_not_active)
 
 from hpcrl.audit import audit
+from hpcrl.runtime.heartbeat import read_heartbeats
 
 _reason = cluster_skip_reason()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
@@ -32,10 +34,10 @@ PLACED = ["launch.rollout.cpus_per_task=4", "launch.rollout.extra_sbatch=[--node
 
 
 
-def starts(run: Path) -> int:
+def starts(run: Path, replica: int = 0) -> int:
     """How many times a rollout process started (each run of a requeued job, each resubmission)."""
     try:
-        return (run / "logs" / "rollout-0.log").read_text(errors="replace").count(" started (writer ")
+        return (run / "logs" / f"rollout-{replica}.log").read_text(errors="replace").count(" started (writer ")
     except FileNotFoundError:
         return 0
 
@@ -110,6 +112,52 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     assert "resumed from" not in trainer.read_text(errors="replace")  # the trainer never stopped
 
 
+
+
+def test_the_autoscaler_adds_a_slurm_job_when_the_trainer_waits_and_scale_drains_it(tmp_path) -> None:
+    """On Slurm: the trainer waits for data (a low threshold makes that certain here), the autoscaler asks Slurm
+    whether a replica would start (``sbatch --test-only``) and adds ``rollout-1`` as a job of its own, which
+    contributes; ``python -m hpcrl scale <run> 1`` then drains it through Slurm (SIGUSR2): it hands its groups
+    back, its job ends COMPLETED, and it is retired, not restarted. The run completes with its audit clean."""
+    run, cache, out, steps = tmp_path / "run", tmp_path / "cache", tmp_path / "submit.log", 900
+    cmd = submit_cmd(run, cache, f"trainer.total_steps={steps}", "eval.every_steps=0", "watchdog.max_restarts=0",
+                     "launch.autoscale.enabled=true", "launch.autoscale.max_replicas=2",
+                     "launch.autoscale.add_wait_share=0.01", "launch.autoscale.drain_wait_share=0",
+                     "launch.autoscale.window_s=2", "launch.autoscale.min_steps=3", "launch.autoscale.interval_s=1",
+                     "launch.autoscale.cooldown_s=3600")  # one decision: the drain below is the user's
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out, "w"), env=job_env(), cwd=ROOT)
+
+    def groups_of_replica_1() -> int:
+        return sum(b.get("groups", 0) for n, b in read_heartbeats(run).items() if n.startswith("rollout-1@"))
+
+    try:
+        wait_for(lambda: groups_of_replica_1() > 0, proc, "the added replica's first groups", log=out)
+        added = registry(run)["rollout-1"]["job_id"]
+        down = subprocess.run([sys.executable, "-m", "hpcrl", "scale", str(run), "1"], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env=job_env())
+        assert down.returncode == 0 and "2 -> 1" in down.stderr, down.stderr
+        wait_for(lambda: "rollout-1" not in registry(run), proc, "the drained replica retired", log=out)
+        at = last_step(run)
+        assert at < steps - 20, "the run ended too soon to see it go on with one replica: raise the steps"
+        assert proc.wait(timeout=300) == 0, out.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = out.read_text()
+    assert "autoscale: 1 -> 2: the trainer waited for data" in log, log[-3000:]
+    events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
+    scale = [(e["component"], e["reason"].split(":")[0]) for e in events if e["action"] == "scale"]
+    assert scale == [("rollout-1", "started rollout-1"), ("rollout-1", "draining rollout-1"),
+                     ("rollout-1", "rollout-1 drained and retired (exit 75)")], scale
+    assert not [e for e in events if e["action"] == "restart"]
+    assert wait_not_active([added])[added] == "COMPLETED"
+    rollout1 = (run / "logs" / "rollout-1.log").read_text()
+    assert starts(run, 1) == 1 and "received SIGUSR2" in rollout1 and "groups handed back" in rollout1
+    records = [json.loads(x) for x in (run / "logs" / "fleet.jsonl").read_text().splitlines()]
+    assert [r["decision"] for r in records if "decision" in r] == [2]
+    rep = audit(run)
+    assert rep.ok, rep.violations
+    assert rep.steps == steps and rep.unfinished == 0
 
 
 def test_has_room_asks_slurm_whether_a_rollout_job_would_start_soon(tmp_path) -> None:

@@ -15,6 +15,10 @@ class SFTConfig:
     eval_every: int = 25  # greedy accuracy is checked every this many steps
     eval_size: int = 500  # ...on the first eval_size eval rows
     target_accuracy: float = 0.2  # stop as soon as reached (RL then has room to improve)
+    # top of the band the warm start should end in: a check above it goes back to the check before and replays the
+    # same batches checking twice as often, until one lands in [target_accuracy, max_accuracy] (or checks are every
+    # step); 1.0 = no band (stop at the first check at or above the target, however far above)
+    max_accuracy: float = 1.0
     seed: int = 0  # batch order seed
     threads: int = 2  # torch intra-op threads while training
     cache_dir: str = "~/.cache/hpcrl/sft"  # finished warm starts are cached here by content hash
@@ -32,6 +36,9 @@ class SFTConfig:
             raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.target_accuracy:
             raise ValueError(f"target_accuracy: must be >= 0, got {self.target_accuracy}")
+        if self.max_accuracy > 1.0 or (self.max_accuracy < 1.0 and self.max_accuracy < self.target_accuracy):
+            raise ValueError(f"max_accuracy: must be in [target_accuracy, 1] = [{self.target_accuracy}, 1], "
+                             f"got {self.max_accuracy}")
         if not self.cache_dir:
             raise ValueError("cache_dir: must be a non-empty path")
         if self.demonstrations and ":" not in self.demonstrations:

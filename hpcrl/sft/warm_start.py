@@ -6,7 +6,13 @@ prompt masked) and stops as soon as greedy accuracy on the first
 ``eval_size`` eval rows reaches ``target_accuracy`` (checked every
 ``eval_every`` steps). Stopping at a target rather than after a fixed budget
 gives reproducible starting accuracies: on the tiny addition model the jump
-in accuracy happens at a seed-dependent step.
+in accuracy happens at a seed-dependent step. The accuracy can also jump far
+past the target between two checks; with ``max_accuracy`` below 1 a check
+above it goes back to the check before (weights, optimizer, schedule and
+batch order) and replays the same batches checking twice as often, so the
+warm start ends in the band ``[target_accuracy, max_accuracy]`` unless the
+accuracy crosses the whole band in one step (then the first step above the
+target is kept, and the log says so).
 
 Lifecycle:
 1. The cache key hashes the base model (config + weight bytes), its
@@ -22,6 +28,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -74,6 +81,8 @@ def cache_key(cfg: SFTConfig, base: Path, train_rows: list[Row], eval_rows: list
     for path in files:
         _hash_file(h, path)
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "threads")}
+    if fields["max_accuracy"] == 1.0:  # no band: the same weights as before the field existed, the same key
+        del fields["max_accuracy"]
     h.update(json.dumps({"cfg": fields, **extra}, sort_keys=True).encode())
     for rows in (train_rows, eval_rows[: cfg.eval_size]):
         h.update(b"\0rows\0")
@@ -120,6 +129,25 @@ class _Batches:
         return batch
 
 
+class _Snapshot:
+    """Everything the warm start's next steps depend on (weights, optimizer, schedule, batch order) at one step."""
+
+    def __init__(self, step: int, model: PreTrainedModel, opt, sched, batches: _Batches) -> None:
+        self.step = step
+        self.model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.opt, self.sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+        self.gen, self.order = batches.gen.get_state(), list(batches.order)
+
+    def restore(self, model: PreTrainedModel, opt, sched, batches: _Batches) -> int:
+        """Put it all back; the step it was taken at."""
+        model.load_state_dict(self.model)
+        opt.load_state_dict(copy.deepcopy(self.opt))
+        sched.load_state_dict(copy.deepcopy(self.sched))
+        batches.gen.set_state(self.gen)
+        batches.order = list(self.order)
+        return self.step
+
+
 def _train(
     cfg: SFTConfig, model: PreTrainedModel, tok: PreTrainedTokenizerBase, data: list, evaluate: Callable[[], float]
 ) -> tuple[float, int]:
@@ -128,8 +156,12 @@ def _train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     batches = _Batches(len(data), cfg.batch_size, cfg.seed)
     best_acc, best_step, best_state, losses = -1.0, 0, None, []
+    band = cfg.max_accuracy < 1.0
+    every, step = cfg.eval_every, 0
+    before = _Snapshot(0, model, opt, sched, batches) if band else None  # the last check below the band
     model.train()
-    for step in range(1, cfg.max_steps + 1):
+    while step < cfg.max_steps:
+        step += 1
         out = model(**_collate([data[i] for i in batches.next()], tok.pad_token_id))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -137,7 +169,7 @@ def _train(
         opt.step()
         sched.step()
         losses.append(out.loss.item())
-        if step % cfg.eval_every and step != cfg.max_steps:
+        if (step - (before.step if before else 0)) % every and step != cfg.max_steps:
             continue
         acc = evaluate()
         log.info("sft step %d loss %.4f accuracy %.3f", step, sum(losses) / len(losses), acc)
@@ -145,8 +177,19 @@ def _train(
         if acc > best_acc:
             best_acc, best_step = acc, step
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if band and acc > cfg.max_accuracy and every > 1:
+            every = max(1, every // 2)
+            log.info("sft: accuracy %.3f at step %d is above the band [%.3f, %.3f]: replaying from step %d, "
+                     "checking every %d steps", acc, step, cfg.target_accuracy, cfg.max_accuracy, before.step, every)
+            step = before.restore(model, opt, sched, batches)
+            continue
         if acc >= cfg.target_accuracy:
+            if band and acc > cfg.max_accuracy:
+                log.warning("sft: the accuracy went from below %.3f to %.3f in one step, past the band's top %.3f; "
+                            "keeping step %d", cfg.target_accuracy, acc, cfg.max_accuracy, step)
             return acc, step
+        if band:
+            before = _Snapshot(step, model, opt, sched, batches)
     log.warning(
         "sft: target accuracy %.3f not reached in %d steps; keeping step %d (accuracy %.3f)",
         cfg.target_accuracy, cfg.max_steps, best_step, best_acc,
