@@ -178,3 +178,40 @@ def test_an_srun_step_stopped_to_be_restarted_ends_completed_and_hands_its_code_
         job_id = LocalScheduler.submit(scheduler, ComponentSpec(name, ["true"], tmp_path / f"{name}.srun.log"))
         scheduler._codes[job_id] = scheduler.codes_folder(spec)  # as submit() records it beside the srun
         assert scheduler.wait(job_id, 30) == {"done": 0, "stopped": 75, "failed": 3, "killed": -9}[name]
+
+
+def test_an_srun_step_that_waits_for_room_in_the_allocation_is_queued_not_hung(tmp_path, monkeypatch) -> None:
+    """A replica scaled beyond what the het group holds: srun waits to create its step ("step creation
+    temporarily disabled, retrying"), which the watchdog must not take for a component that never sent a
+    heartbeat. Only what this srun said counts, not an earlier srun's lines in the same log."""
+    import time
+
+    from hpcrl.launch.slurm import SrunScheduler
+
+    go = tmp_path / "go"
+    script = ("import sys, time, pathlib\n"
+              "print('srun: Job 905 step creation temporarily disabled, retrying (Requested nodes are busy)', "
+              "file=sys.stderr, flush=True)\n"
+              f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+              "print('srun: Step created for job 905', file=sys.stderr, flush=True)\n"
+              "time.sleep(30)\n")
+    srun_log = tmp_path / "rollout-2.srun.log"
+    srun_log.write_text("srun: Job 904 step creation temporarily disabled, retrying (Requested nodes are busy)\n"
+                        "srun: Step created for job 904\n")  # an earlier run of the same component
+    scheduler = SrunScheduler()
+    monkeypatch.setattr(scheduler, "command", lambda spec: ComponentSpec(spec.name, [sys.executable, "-c", script],
+                                                                          srun_log, spec.env))
+    job_id = scheduler.submit(ComponentSpec("rollout-2", ["true"], tmp_path / "rollout-2.log"))
+    try:
+        deadline = time.time() + 30
+        while not scheduler.queued(job_id):
+            assert time.time() < deadline, srun_log.read_text()
+            time.sleep(0.05)
+        go.touch()
+        while scheduler.queued(job_id):
+            assert time.time() < deadline, srun_log.read_text()
+            time.sleep(0.05)
+        assert scheduler.poll(job_id) is None  # created: the step runs
+    finally:
+        scheduler.cancel(job_id)
+    assert not SrunScheduler().queued("nosuchjob")

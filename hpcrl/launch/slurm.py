@@ -321,11 +321,31 @@ class SrunScheduler(LocalScheduler):
         super().__init__()
         self.het_groups = het_groups or {"trainer": 0, "rollout": 1, "eval": 1}
         self._codes: dict[str, Path] = {}  # srun pid -> the folder its tasks write their codes to
+        self._said: dict[str, tuple[Path, int]] = {}  # srun pid -> srun's own log, and its size before this step
 
     def submit(self, spec: ComponentSpec) -> str:
-        job_id = super().submit(self.command(spec))
+        command = self.command(spec)
+        before = command.log_path.stat().st_size if command.log_path.exists() else 0
+        job_id = super().submit(command)
         self._codes[job_id] = self.codes_folder(spec)
+        self._said[job_id] = (command.log_path, before)
         return job_id
+
+    def queued(self, job_id: str) -> bool:
+        """Whether srun still waits for room in the allocation to create the step ("step creation temporarily
+        disabled, retrying", e.g. a replica scaled beyond what the het group holds): its component has not
+        started, so its heartbeat is not expected."""
+        path, before = self._said.get(job_id, (None, 0))
+        if path is None:
+            return False
+        try:
+            with open(path, "rb") as f:
+                f.seek(before)
+                said = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return False
+        waiting = said.rfind("step creation temporarily disabled")
+        return waiting >= 0 and "Step created" not in said[waiting:]
 
     def poll(self, job_id: str) -> int | None:
         """The component's code: a step that ended COMPLETED may have been stopped to be restarted (75)."""
