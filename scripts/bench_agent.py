@@ -80,6 +80,8 @@ def window_stats(items: list, tok=None) -> dict:
            "first_try": sum(s.reward == 1.0 for s, _ in items) / n,
            "any_try": sum(s.reward > 0 for s, _ in items) / n,
            "reward": sum(s.reward for s, _ in items) / n,
+           # of the episodes whose first answer was wrong, the share the second answer got right (reward 0.5)
+           "second_try": sum(s.reward == 0.5 for s, _ in items) / max(sum(s.reward < 1.0 for s, _ in items), 1),
            "turns": sum(len(turns(s)) for s, _ in items) / n}
     if tok is not None:
         checks = [tool_call_check(tok.decode((turns(s) or [[]])[0], skip_special_tokens=True), p) for s, p in items]
@@ -106,10 +108,13 @@ def report(run_dir: Path, window: int, tool: bool = False) -> dict:
     tok = None
     if tool:
         from hpcrl.model.hf_io import load_tokenizer
-        from hpcrl.prepared import load_prepared
 
         tok = load_tokenizer(load_prepared(run_dir).base_model)
+    from hpcrl.prepared import load_prepared
+
+    prep = load_prepared(run_dir)
     return {"eval": evals, "first_window": window_stats(early, tok), "last_window": window_stats(late, tok),
+            "warm_start": {"accuracy": prep.sft_accuracy, "steps": prep.sft_steps},
             "statuses": dict(statuses), "samples_per_s": steps[-1].get("throughput/samples_per_s"),
             "wall_s": steps[-1].get("time/elapsed_s")}
 
@@ -134,9 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     (e0, a0), (e1, a1) = rep["eval"][0], rep["eval"][-1]
     f, la = rep["first_window"], rep["last_window"]
     what = "agent episodes' (eval.agent)" if args.example == "tool" else "first-turn"
+    print(f"warm start: accuracy {rep['warm_start']['accuracy']} after {rep['warm_start']['steps']} steps")
     print(f"held-out {what} accuracy: {100 * a0:.1f}% (step {e0}) -> {100 * a1:.1f}% (step {e1})")
     for name, w in (("first", f), ("last", la)):
         print(f"{name} {args.window} steps: first-try {100 * w['first_try']:.1f}%  any-try {100 * w['any_try']:.1f}%  "
+              f"second try right after a wrong first {100 * w['second_try']:.1f}%  "
               f"reward {w['reward']:.3f}  turns {w['turns']:.2f}  ({w['samples']} samples)"
               + (f"  tool call valid {100 * w['tool_call_valid']:.1f}% right {100 * w['tool_call_right']:.1f}%"
                  if "tool_call_valid" in w else ""))

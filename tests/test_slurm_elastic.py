@@ -22,6 +22,7 @@ from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, regist
                            wait_not_active)
 
 from hpcrl.audit import audit
+from hpcrl.metrics.writer import read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
 
 _reason = cluster_skip_reason()
@@ -155,6 +156,9 @@ def test_the_autoscaler_adds_a_slurm_job_when_the_trainer_waits_and_scale_drains
     assert starts(run, 1) == 1 and "received SIGUSR2" in rollout1 and "groups handed back" in rollout1
     records = [json.loads(x) for x in (run / "logs" / "fleet.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in records if "decision" in r] == [2]
+    # the trainer's metrics show the fleet it trained from: one replica, then two, then one again
+    mixed = [r["fleet/replicas_in_batch"] for r in read_metrics(run / "logs" / "metrics.jsonl") if "samples" in r]
+    assert mixed[0] == 1 and max(mixed) == 2 and mixed[-1] == 1, mixed
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == steps and rep.unfinished == 0

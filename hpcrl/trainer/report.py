@@ -63,6 +63,8 @@ def group_stats(groups: list[TrajectoryGroup], version: int) -> dict[str, float]
         "staleness/max": float(version - heads.min()), "staleness/mean_token": float(stale.mean()),
         "staleness/max_token": float(stale.max()),
         "samples": float(len(rewards)), "tokens": float(lengths.sum()),
+        # rollout replicas whose groups this step trained (writer r<K>-...): the fleet as the trainer sees it
+        "fleet/replicas_in_batch": float(len({g.writer.split("-")[0] for g in groups})),
     }
 
 
