@@ -105,14 +105,13 @@ def report(run_dir: Path, window: int, tool: bool = False) -> dict:
     last = max(by_step)
     early = [s for k, v in by_step.items() if k < window for s in v]
     late = [s for k, v in by_step.items() if k > last - window for s in v]
-    tok = None
+    from hpcrl.prepared import load_prepared
+
+    prep, tok = load_prepared(run_dir), None
     if tool:
         from hpcrl.model.hf_io import load_tokenizer
 
-        tok = load_tokenizer(load_prepared(run_dir).base_model)
-    from hpcrl.prepared import load_prepared
-
-    prep = load_prepared(run_dir)
+        tok = load_tokenizer(prep.base_model)
     return {"eval": evals, "first_window": window_stats(early, tok), "last_window": window_stats(late, tok),
             "warm_start": {"accuracy": prep.sft_accuracy, "steps": prep.sft_steps},
             "statuses": dict(statuses), "samples_per_s": steps[-1].get("throughput/samples_per_s"),

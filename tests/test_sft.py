@@ -121,6 +121,11 @@ def test_a_check_above_the_band_replays_the_same_batches_checking_twice_as_often
     first_at_8, replayed_at_8, at_4 = states[1], states[3], states[0]
     assert all(torch.equal(first_at_8[k], replayed_at_8[k]) for k in first_at_8)
     assert not all(torch.equal(at_4[k], replayed_at_8[k]) for k in at_4)
+    # an odd interval: the replay (every 2 from step 5) checks 7, 9 and again 10, the step that went over
+    scripted, states = iter([0.1, 0.9, 0.1, 0.1, 0.35]), []
+    cfg = SFTConfig(batch_size=8, max_steps=40, eval_every=5, target_accuracy=0.3, max_accuracy=0.4, threads=1)
+    assert ws._train(cfg, load_model(base), tok, data, evaluate) == (0.35, 10)
+    assert all(torch.equal(states[1][k], states[4][k]) for k in states[1])  # the same weights at step 10
     # checks every step already and still past the band: the first step above the target is kept
     scripted = iter([0.1, 0.9, 0.1, 0.9])
     cfg = SFTConfig(batch_size=8, max_steps=40, eval_every=2, target_accuracy=0.3, max_accuracy=0.4, threads=1)
@@ -129,6 +134,8 @@ def test_a_check_above_the_band_replays_the_same_batches_checking_twice_as_often
     assert "in one step, past the band's top" in caplog.text
     with pytest.raises(ValueError, match="max_accuracy"):
         SFTConfig(target_accuracy=0.5, max_accuracy=0.4)
+    with pytest.raises(ValueError, match="max_accuracy"):
+        SFTConfig(max_accuracy=float("nan"))
 
 
 def test_warm_start_trains_caches_and_is_deterministic(base, tmp_path):

@@ -196,9 +196,16 @@ def test_an_srun_step_that_waits_for_room_in_the_allocation_is_queued_not_hung(t
               "print('srun: Step created for job 905', file=sys.stderr, flush=True)\n"
               "time.sleep(30)\n")
     srun_log = tmp_path / "rollout-2.srun.log"
-    srun_log.write_text("srun: Job 904 step creation temporarily disabled, retrying (Requested nodes are busy)\n"
-                        "srun: Step created for job 904\n")  # an earlier run of the same component
+    # an earlier srun of the same component that never got its step (it was killed while it waited)
+    srun_log.write_text("srun: Job 904 step creation temporarily disabled, retrying (Requested nodes are busy)\n")
     scheduler = SrunScheduler()
+    monkeypatch.setattr(scheduler, "command", lambda spec: ComponentSpec(
+        spec.name, [sys.executable, "-c", "import time; time.sleep(30)"], srun_log, spec.env))
+    at_once = scheduler.submit(ComponentSpec("rollout-2", ["true"], tmp_path / "rollout-2.log"))
+    try:
+        assert not scheduler.queued(at_once)  # what the earlier srun said is not this one's
+    finally:
+        scheduler.cancel(at_once)
     monkeypatch.setattr(scheduler, "command", lambda spec: ComponentSpec(spec.name, [sys.executable, "-c", script],
                                                                           srun_log, spec.env))
     job_id = scheduler.submit(ComponentSpec("rollout-2", ["true"], tmp_path / "rollout-2.log"))

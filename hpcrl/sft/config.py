@@ -36,7 +36,7 @@ class SFTConfig:
             raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.target_accuracy:
             raise ValueError(f"target_accuracy: must be >= 0, got {self.target_accuracy}")
-        if self.max_accuracy > 1.0 or (self.max_accuracy < 1.0 and self.max_accuracy < self.target_accuracy):
+        if not self.max_accuracy <= 1.0 or (self.max_accuracy < 1.0 and self.max_accuracy < self.target_accuracy):
             raise ValueError(f"max_accuracy: must be in [target_accuracy, 1] = [{self.target_accuracy}, 1], "
                              f"got {self.max_accuracy}")
         if not self.cache_dir:

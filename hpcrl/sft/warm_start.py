@@ -137,6 +137,7 @@ class _Snapshot:
         self.model = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.opt, self.sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
         self.gen, self.order = batches.gen.get_state(), list(batches.order)
+        self.rng = torch.get_rng_state()  # dropout, for base models that have it
 
     def restore(self, model: PreTrainedModel, opt, sched, batches: _Batches) -> int:
         """Put it all back; the step it was taken at."""
@@ -145,6 +146,7 @@ class _Snapshot:
         sched.load_state_dict(copy.deepcopy(self.sched))
         batches.gen.set_state(self.gen)
         batches.order = list(self.order)
+        torch.set_rng_state(self.rng)
         return self.step
 
 
@@ -157,7 +159,7 @@ def _train(
     batches = _Batches(len(data), cfg.batch_size, cfg.seed)
     best_acc, best_step, best_state, losses = -1.0, 0, None, []
     band = cfg.max_accuracy < 1.0
-    every, step = cfg.eval_every, 0
+    every, step, over = cfg.eval_every, 0, 0  # over: the step a check found above the band
     before = _Snapshot(0, model, opt, sched, batches) if band else None  # the last check below the band
     model.train()
     while step < cfg.max_steps:
@@ -169,8 +171,8 @@ def _train(
         opt.step()
         sched.step()
         losses.append(out.loss.item())
-        if (step - (before.step if before else 0)) % every and step != cfg.max_steps:
-            continue
+        if (step - (before.step if before else 0)) % every and step not in (cfg.max_steps, over):
+            continue  # a replay checks the step that went over the band again, whatever the interval
         acc = evaluate()
         log.info("sft step %d loss %.4f accuracy %.3f", step, sum(losses) / len(losses), acc)
         losses.clear()
@@ -178,7 +180,7 @@ def _train(
             best_acc, best_step = acc, step
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if band and acc > cfg.max_accuracy and every > 1:
-            every = max(1, every // 2)
+            every, over = max(1, every // 2), step
             log.info("sft: accuracy %.3f at step %d is above the band [%.3f, %.3f]: replaying from step %d, "
                      "checking every %d steps", acc, step, cfg.target_accuracy, cfg.max_accuracy, before.step, every)
             step = before.restore(model, opt, sched, batches)
