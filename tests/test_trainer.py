@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -458,3 +459,33 @@ def test_lora_refuses_adapters_it_could_not_merge(target: str, refused: str) -> 
         apply_lora(Qwen3ForCausalLM(cfg), LoraSettings(rank=2, target_modules=[target]))
     with pytest.raises(ValueError, match="matched no module"):
         apply_lora(Qwen3ForCausalLM(cfg), LoraSettings(rank=2, target_modules=["c_attn"]))
+
+
+def test_the_trainer_beats_while_it_waits_for_its_batch_and_keeps_its_progress_in_the_beat(tmp_path) -> None:
+    """The trainer used to beat only after a step: waiting for rollouts (its only one preempted) looked like a hang
+    to a supervisor that had just restarted its heartbeat clock (a lagging sacct said the trainer's job pended)."""
+    import signal
+
+    from hpcrl.runtime.heartbeat import Heartbeat, read_heartbeats
+    from hpcrl.runtime.owner import NoFence
+    from hpcrl.runtime.preempt import Preempted, PreemptionFlag
+    from hpcrl.trainer.main import batch_wait
+
+    heartbeat = Heartbeat(tmp_path, "trainer-r0@x", interval_s=0.05)
+    heartbeat.beat(version=7)
+    first = read_heartbeats(tmp_path)["trainer-r0@x"]
+    flag = PreemptionFlag((signal.SIGUSR1,))
+    try:
+        wait = batch_wait(flag, NoFence(), heartbeat)
+        time.sleep(0.06)
+        wait()
+        beat = read_heartbeats(tmp_path)["trainer-r0@x"]
+        assert beat["time"] > first["time"] and beat["version"] == 7
+        signal.raise_signal(signal.SIGUSR1)
+        with pytest.raises(Preempted):
+            wait()
+    finally:
+        flag.close()
+    heartbeat.beat(version=8)
+    heartbeat.beat(force=True)
+    assert read_heartbeats(tmp_path)["trainer-r0@x"]["version"] == 8

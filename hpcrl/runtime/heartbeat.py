@@ -24,11 +24,17 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s = interval_s
         self._last = 0.0
+        self._info: dict[str, Any] = {}
 
     def beat(self, force: bool = False, **info: Any) -> None:
+        """Say the process is alive, with progress ``info``; a beat without any (e.g. while the component waits)
+        repeats the last progress with a new time."""
+        if info:
+            self._info = info
         now = time.time()
         if force or now - self._last >= self.interval_s:
-            atomic.write_json(self.path, {"time": now, "pid": os.getpid(), "host": socket.gethostname(), **info})
+            atomic.write_json(self.path, {"time": now, "pid": os.getpid(), "host": socket.gethostname(),
+                                          **self._info})
             self._last = now
 
 

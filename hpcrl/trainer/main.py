@@ -147,6 +147,19 @@ def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
     return groups
 
 
+def batch_wait(preempt: PreemptionFlag, fence: Fence, heartbeat: Heartbeat) -> Callable[[], None]:
+    """What rank 0 does while its batch is not there yet: stop on a signal, a newer owner or a vanished supervisor,
+    and keep its heartbeat going (waiting for rollouts, e.g. while the only one is preempted, is not hanging)."""
+    def wait() -> None:
+        heartbeat.beat()
+        preempt.check()
+        fence.check("batch")
+        if fence.orphaned():
+            raise Preempted("the supervisor is gone")
+        time.sleep(0.01)
+    return wait
+
+
 def agree(ctx: DistContext, flag: bool) -> bool:
     """True on every rank if it is true on any."""
     if ctx.world_size == 1:
@@ -226,14 +239,7 @@ def _run(run_dir: Path) -> None:
         reporter.whole_policy = adapter_merger(prep.init_model, published_adapter)
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
-
-    def wait() -> None:
-        preempt.check()
-        fence.check("batch")
-        if fence.orphaned():
-            raise Preempted("the supervisor is gone")
-        time.sleep(0.01)
-
+    wait = batch_wait(preempt, fence, heartbeat)
     try:
         start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights, fence)
         train_loop(cfg, ctx, engine, feed, reporter, weights.publish if weights else _rank0_publishes, wait=wait,
