@@ -291,6 +291,95 @@ def test_stats_match_loop():
     assert s["approx_kl"] == pytest.approx(sum(kls) / n) and s["approx_kl"] > 0
 
 
+# ---------------------------------------------------------------- M2PO's second-moment mask
+
+def ref_m2po_keep(m2: list[float], threshold: float) -> list[bool]:
+    """M2PO as its paper states it: mask the largest m2 first until the mean of the rest is below threshold."""
+    order = sorted(range(len(m2)), key=lambda i: -m2[i])
+    keep = [True] * len(m2)
+    rest = list(m2)
+    for i in order:
+        if sum(rest) / len(rest) < threshold if rest else True:
+            break
+        keep[i] = False
+        rest.remove(m2[i])
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("threshold", [0.02, 0.3, 5.0])
+def test_m2po_cutoff_keeps_what_largest_first_masking_keeps_in_any_number_of_chunks(seed, threshold):
+    from hpcrl.algo.m2po import m2_values, m2po_cutoff
+
+    logp, prox, behav, _, mask = random_batch(seed=seed, b=9, t=13)
+    behav = torch.where(torch.rand(behav.shape, generator=torch.Generator().manual_seed(seed)) < 0.1,
+                        behav - 3.0, behav)  # a few outliers, as stale tokens give
+    m2 = m2_values(prox, behav, mask)
+    assert m2.numel() == int(mask.sum()) and bool(torch.isfinite(m2).all())
+    want = ref_m2po_keep(m2.tolist(), threshold)
+    cutoff = m2po_cutoff([m2], threshold)
+    assert (m2 <= cutoff).tolist() == want
+    if all(want):
+        assert cutoff == math.inf
+    else:
+        kept = m2[m2 <= cutoff]
+        assert 0 < kept.numel() < m2.numel() and float(kept.mean()) < threshold
+    chunks = [m2_values(prox[i:i + 2], behav[i:i + 2], mask[i:i + 2]) for i in range(0, 9, 2)]
+    assert m2po_cutoff(chunks, threshold) == cutoff  # micro-batches: the same cutoff
+
+
+def test_m2po_cutoff_summed_over_ranks_is_the_one_of_all_tokens_and_edge_cases():
+    """Two ranks (threads whose ``global_sum`` adds both, as an all-reduce does) find the cutoff of all tokens."""
+    import threading
+
+    from hpcrl.algo.m2po import m2po_cutoff
+
+    ranks = [torch.tensor([0.01, 0.02, 4.0], dtype=F64), torch.tensor([0.03, 9.0], dtype=F64)]
+    assert ref_m2po_keep([0.01, 0.02, 4.0, 0.03, 9.0], 0.5) == [True, True, False, True, False]
+    barrier, box, got = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        def global_sum(local: torch.Tensor) -> torch.Tensor:
+            box[r] = local.clone()
+            barrier.wait()
+            total = box[0] + box[1]
+            barrier.wait()
+            return total
+        got[r] = m2po_cutoff([ranks[r]], 0.5, global_sum)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert got[0] == got[1] == m2po_cutoff([torch.cat(ranks)], 0.5) and 0.03 <= got[0] < 4.0
+    with pytest.raises(ValueError, match="threshold"):
+        m2po_cutoff(ranks, 0.0)
+    assert m2po_cutoff([torch.tensor([2.0, 3.0], dtype=F64)], 1.0) < 2.0  # even the smallest too far: all masked
+    assert m2po_cutoff([torch.zeros(0, dtype=F64)], 1.0) == math.inf
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_loss_with_an_m2_cutoff_gives_the_masked_tokens_weight_zero(agg):
+    from hpcrl.algo.m2po import m2_values, m2po_cutoff
+
+    cfg = AlgoConfig(loss_agg=agg, behav_imp_weight_cap=None, m2_threshold=0.3)
+    logp, prox, behav, adv, mask = random_batch(seed=4)
+    cutoff = m2po_cutoff([m2_values(prox, behav, mask)], cfg.m2_threshold)
+    out = decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg, m2_cutoff=cutoff)
+    masked = mask & ((behav - prox) ** 2 > cutoff)
+    assert 0 < int(masked.sum()) < int(mask.sum())
+    zero_adv = torch.where(masked, 0.0, adv[:, None].expand_as(logp))  # weight 0 == advantage 0 for the loss
+    want = ref_loss(logp.tolist(), prox.tolist(), behav.tolist(), zero_adv.tolist(), mask.tolist(), cfg,
+                    row_sequences(*logp.shape))
+    assert out.loss.item() == pytest.approx(want, rel=1e-12, abs=1e-14)
+    assert out.stats["m2_masked_fraction"] == pytest.approx(int(masked.sum()) / int(mask.sum()))
+    m2 = m2_values(prox, behav, mask)
+    assert out.stats["imp_weight_m2"] == pytest.approx(float(m2.mean())) and out.stats["imp_weight_m2"] >= 0.3
+    plain = decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg)
+    assert plain.stats["m2_masked_fraction"] == 0 and plain.loss.item() != pytest.approx(out.loss.item())
+
+
 # ---------------------------------------------------------------- token logprobs and config
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -315,6 +404,9 @@ def test_token_logprobs_match_log_softmax(temperature):
     ({"behav_imp_weight_cap": 1.0}, "behav_imp_weight_cap"),
     ({"temperature": 0.0}, "temperature"),
     ({"adv_eps": 0.0}, "adv_eps"),
+    ({"m2_threshold": 0.0}, "m2_threshold"),
+    ({"m2_threshold": 0.04, "prox_approx": True}, "m2_threshold"),
+    ({"m2_threshold": 0.04, "decoupled": False}, "m2_threshold"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -21,8 +21,8 @@ from hpcrl.trainer.config import TrainerConfig
 CASES = {
     "gspo_dual": dict(ratio_level="sequence", eps_clip=0.01, eps_clip_high=0.02, dual_clip=2.0,
                       behav_imp_weight_level="sequence", loss_agg="seq_mean_token_mean"),
-    "dr_grpo_kl_loss_entropy": dict(adv_estimator="dr_grpo", loss_agg="seq_mean_token_sum", kl_mode="loss",
-                                    kl_coef=0.5, entropy_coef=0.1),
+    "dr_grpo_kl_loss_entropy_m2po": dict(adv_estimator="dr_grpo", loss_agg="seq_mean_token_sum", kl_mode="loss",
+                                         kl_coef=0.5, entropy_coef=0.1, m2_threshold=3.0),
     "reinforce_pp_kl_reward": dict(adv_estimator="reinforce_pp", kl_mode="reward", kl_estimator="k1", kl_coef=0.2,
                                    drop_uniform_groups=False, behav_imp_weight_mode="mask",
                                    behav_imp_weight_cap=1.5, behav_imp_weight_lower=0.5),
@@ -109,5 +109,7 @@ def test_two_ranks_many_micro_batches_equal_one_rank(runs, name) -> None:
         assert all(torch.isfinite(torch.tensor(v)) for v in step.values())
     if name == "ppo_gae_critic":
         assert any(k.startswith("critic.") for k in w1) and "value/loss" in one["stats"][0]
+    if name.endswith("m2po"):  # the cutoff is over both ranks' tokens: some masked, not all
+        assert all(0 < step["loss/m2_masked_fraction"] < 1 for step in one["stats"] + two["stats"])
     if name.startswith("reinforce"):
         assert abs(one["stats"][0]["adv/mean"]) < 1e-5 and one["stats"][0]["adv/std"] == pytest.approx(1, abs=1e-3)

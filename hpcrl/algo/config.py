@@ -61,6 +61,9 @@ class AlgoConfig:
     behav_imp_weight_level: Level = "token"
     # what the mask bounds compare: the weight itself or a k1/k2/k3 estimate of KL(behaviour || prox)
     behav_imp_weight_metric: WeightMetric = "ratio"
+    # M2PO: when the mean squared log behaviour weight of an update's tokens reaches this, the largest are
+    # masked until the rest's mean is below it (hpcrl.algo.m2po); None = off
+    m2_threshold: float | None = None
     # how per-token losses are reduced to the scalar loss
     loss_agg: LossAgg = "token_mean"
     # groups whose rewards are all equal give no gradient and are left out of the loss
@@ -122,6 +125,11 @@ class AlgoConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         self._check_behaviour_weight()
+        if self.m2_threshold is not None and not self.m2_threshold > 0:
+            raise ValueError(f"m2_threshold: must be > 0 or null, got {self.m2_threshold}")
+        if self.m2_threshold is not None and (not self.decoupled or self.prox_approx):
+            raise ValueError("m2_threshold: M2PO bounds the weights between the behaviour and the recomputed "
+                             "proximal policy; it needs decoupled=true and prox_approx=false")
         if self.prox_approx and not self.decoupled:
             raise ValueError("prox_approx: approximates the proximal policy of decoupled PPO; "
                              "with decoupled=false there is none (set prox_approx=false)")

@@ -9,7 +9,9 @@ step (before any update, no grad; or approximated, :mod:`hpcrl.algo.prox`),
         | exp(mean_{t in s}(logp - logp_prox))  sequence ratio (GSPO, ratio_level=sequence)
     w_t = exp(logp_prox - logp_behav)           behaviour weight, detached; per token or the
                                                 sequence's geometric mean; capped (mode=cap)
-                                                or 0 where its metric is out of bounds (mode=mask)
+                                                or 0 where its metric is out of bounds (mode=mask);
+                                                0 where (logp_behav - logp_prox)^2 > m2_cutoff
+                                                (M2PO, :mod:`hpcrl.algo.m2po`)
     l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_clip, 1 + eps_clip_high))
     l_t = min(l_t, -A_t * dual_clip)  where A_t < 0 (dual clip)
     L   = agg(l) + kl_coef * agg(k(logp, logp_ref)) [kl_mode=loss] - entropy_coef * agg(H)
@@ -105,6 +107,7 @@ def decoupled_ppo_loss(
     seq_lengths: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    m2_cutoff: float | None = None,
 ) -> LossOutput:
     """Decoupled PPO loss of one (micro-)batch, plus the KL loss term and entropy bonus when given.
 
@@ -115,7 +118,9 @@ def decoupled_ppo_loss(
     ``None`` means one sequence per row. ``normaliser`` defaults to
     ``loss_normaliser(mask, cfg.loss_agg, seq_lengths)``. ``logp_ref`` adds
     ``kl_coef * agg(k)`` when ``cfg.kl_mode == 'loss'`` (else it is only
-    reported); ``entropy`` (with grad) subtracts ``entropy_coef * agg(H)``.
+    reported); ``entropy`` (with grad) subtracts ``entropy_coef * agg(H)``. ``m2_cutoff`` (M2PO, from
+    :func:`hpcrl.algo.m2po.m2po_cutoff` over the whole update) gives weight 0 to the tokens whose squared log
+    behaviour weight exceeds it; they stay in the normaliser, as masked tokens of mode=mask do.
     """
     _check_shapes(logp, logp_prox, logp_behav, mask, seq_lengths)
     valid = mask > 0
@@ -132,6 +137,11 @@ def decoupled_ppo_loss(
         log_ratio = to_tokens(per_sequence_mean(log_ratio, valid, seq_lengths), log_ratio, seq_lengths)
     ratio = torch.exp(log_ratio)
     w, raw_w, out_of_bounds = behaviour_weight(prox, behav, valid, cfg, seq_lengths)
+    # per token, whatever the weight's level: what M2PO bounds the mean of, in float64 as the cutoff was found
+    # (a float32 square can fall on the other side of a cutoff that lies next to a token's value)
+    m2 = (behav.to(torch.float64) - prox.to(torch.float64)) ** 2
+    m2_masked = (m2 > m2_cutoff) & valid if m2_cutoff is not None else torch.zeros_like(valid)
+    w = torch.where(m2_masked, torch.zeros_like(w), w)
     clipped = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
     pg_unclipped, pg_clipped = -adv * ratio, -adv * clipped
     pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -159,7 +169,7 @@ def decoupled_ppo_loss(
 
     with torch.no_grad():
         stats = _stats(valid, ratio, raw_w, out_of_bounds, pg_unclipped < pg_clipped, logp - prox,
-                       dual_active, kl_ref, ent)
+                       dual_active, kl_ref, ent, m2, m2_masked)
         stats["pg_loss"] = float(pg_loss.item())
     return LossOutput(loss=loss, stats=stats)
 
@@ -193,7 +203,8 @@ def _check_shapes(logp: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor, m
 
 def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, out_of_bounds: torch.Tensor,
            clip_active: torch.Tensor, log_ratio: torch.Tensor, dual_active: torch.Tensor,
-           kl_ref: torch.Tensor | None, entropy: torch.Tensor | None) -> dict[str, float]:
+           kl_ref: torch.Tensor | None, entropy: torch.Tensor | None, m2: torch.Tensor,
+           m2_masked: torch.Tensor) -> dict[str, float]:
     """Diagnostics over valid tokens, gathered with one device sync."""
     n = valid.sum()
     denom = n.clamp(min=1).to(ratio.dtype)
@@ -207,7 +218,8 @@ def _stats(valid: torch.Tensor, ratio: torch.Tensor, raw_w: torch.Tensor, out_of
     w_max = torch.where(valid, raw_w, zero).max() if raw_w.numel() else zero
     named = {"clip_fraction": mean(clip_active), "dual_clip_fraction": mean(dual_active),
              "imp_weight_mean": mean(raw_w), "imp_weight_max": w_max,
-             "imp_weight_capped_fraction": mean(out_of_bounds), "ratio_mean": mean(ratio), "approx_kl": mean(k3)}
+             "imp_weight_capped_fraction": mean(out_of_bounds), "imp_weight_m2": mean(m2),
+             "m2_masked_fraction": mean(m2_masked), "ratio_mean": mean(ratio), "approx_kl": mean(k3)}
     if kl_ref is not None:
         named["kl_ref"] = mean(kl_ref)
     if entropy is not None:

@@ -56,6 +56,7 @@ from hpcrl.algo import (
     whiten,
 )
 from hpcrl.algo.losses import decoupled_ppo_loss, loss_normaliser
+from hpcrl.algo.m2po import m2_values, m2po_cutoff
 from hpcrl.trainer import batch as B
 from hpcrl.trainer.config import TrainerConfig
 
@@ -184,9 +185,9 @@ class PolicyTrainer(ABC):
         (a third of the step's compute at one update per step) is skipped.
         Later updates run moved weights and need the pass; so does a KL
         penalty folded into the reward, which reads the proximal logprobs
-        before any update.
+        before any update, and M2PO, whose mask needs every token's before any.
         """
-        return (k == 0 and self.algo.decoupled and not self.algo.prox_approx
+        return (k == 0 and self.algo.decoupled and not self.algo.prox_approx and self.algo.m2_threshold is None
                 and not (self.algo.kl_mode == "reward" and self.algo.kl_coef > 0))
 
     def _prepare(self, minibatches: list[list[B.MicroBatch]]) -> list[list[dict[str, torch.Tensor]]]:
@@ -267,6 +268,11 @@ class PolicyTrainer(ABC):
         if self.critic is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         tally = _Tally(critic=self.critic is not None)
+        if self.algo.m2_threshold is not None:  # one cutoff for the update's tokens on every rank
+            dev = self.ctx.device
+            cutoff = m2po_cutoff([m2_values(a["prox"], mb.behav_logprobs.to(dev), mb.mask.to(dev))
+                                  for mb, a in zip(mbs, aux)], self.algo.m2_threshold, self._global_sum)
+            aux = [{**a, "m2_cutoff": cutoff} for a in aux]
 
         def policy_loss(i: int, tensors: list[torch.Tensor]) -> torch.Tensor:
             out = self._policy_loss(mbs[i], aux[i], k, n_updates, max(norm, 1.0), *tensors)
@@ -322,7 +328,7 @@ class PolicyTrainer(ABC):
             prox = approx_prox_logprobs(behav, logp, mb.versions.to(dev), float(self.version),
                                         self.version + k / n_updates, mask)
         return decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, self.algo, normaliser=norm,
-                                  logp_ref=aux.get("ref"), entropy=entropy)
+                                  logp_ref=aux.get("ref"), entropy=entropy, m2_cutoff=aux.get("m2_cutoff"))
 
     def _value_loss(self, mb: B.MicroBatch, aux: dict[str, torch.Tensor], norm: float, values: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, float]]:
