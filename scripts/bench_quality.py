@@ -22,7 +22,8 @@ on the same cores with the same seed, for
 objective (decoupled or plain PPO) x ``trainer.n_minibatches`` (1: the ratio
 against the proximal policy is exactly 1, so decoupled PPO has no trust
 region; 4: the clip binds) x behaviour-weight mode (``cap``: clamp at 5;
-``mask``: drop tokens above 5) x eta, each row over ``--seeds`` (a seed
+``mask``: drop tokens above 5; ``m2po``: no cap, M2PO's second-moment mask
+at 0.04) x eta, each row over ``--seeds`` (a seed
 changes the model's initialisation, its SFT warm start, the data order and
 the sampling), with equal trained samples (same steps and batch) and the
 same held-out problems for every row. Every finished run is written to
@@ -36,7 +37,11 @@ accuracy gain against eta (``bench/staleness.png``)::
 
 Each study row also reports the gain of the mean of the last three
 evaluations and the mean training reward of the last fifth of the steps
-(less noisy than one final evaluation) and every seed's gain. ``--adopt
+(less noisy than one final evaluation) and every seed's gain; every run
+keeps its per-step evidence (:data:`EVIDENCE`: the behaviour weights' second
+moment and maximum, the fractions capped, masked and clipped, the KL to the
+proximal policy, the gradient norm, the tokens' staleness, the reward), as
+the mean over each tenth of its steps. ``--adopt
 ROW@SEED=RUN_DIR`` takes in a run made by hand with ``python -m
 hpcrl.submit`` once its saved ``config.yaml`` shows exactly the row's
 overrides. Every run keeps the learning rate constant after warm-up
@@ -87,6 +92,7 @@ def study_rows() -> dict[str, list[str]]:
             if eta > 0:
                 rows[f"decoupled_mask_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=mask"]
                 rows[f"plain_mb{mb}_eta{eta}"] = [*common, "algo.decoupled=false"]
+                rows[f"m2po_mb{mb}_eta{eta}"] = [*common, "algo.m2_threshold=0.04", "algo.behav_imp_weight_cap=null"]
     return rows
 
 
@@ -116,12 +122,32 @@ def read_run(run_dir: Path, extra: list[str]) -> dict:
     evals = [{"step": r.get("step", 0), "wall_s": r.get("time/elapsed_s", 0.0), "accuracy": r["eval/accuracy"]}
              for r in read_evals(run_dir / "logs")]  # the trainer's or the evaluation component's
     steps = [r for r in records if "reward/mean" in r]
-    return {"overrides": extra, "evals": evals,
+    return {"overrides": extra, "evals": evals, "evidence": evidence(steps),
             "reward": [(r["step"], r["reward/mean"]) for r in steps],
             "samples_per_s": steps[-1].get("throughput/samples_per_s") if steps else None,
             "staleness_max": max((r.get("staleness/max", 0) for r in steps), default=None),
             "trainer_peak_mb": max((r["memory/peak_mb"] for r in steps if "memory/peak_mb" in r), default=None),
             "wall_s": evals[-1]["wall_s"] if evals else None}
+
+
+# the per-step metrics that say why stale data trains worse (docs/algorithms.md): how far the behaviour policy is
+# from the proximal one, how much of the batch each correction cuts, and how far and how hard each update moves
+EVIDENCE = ("loss/imp_weight_m2", "loss/imp_weight_max", "loss/imp_weight_capped_fraction", "loss/m2_masked_fraction",
+            "loss/clip_fraction", "loss/approx_kl", "grad/norm", "staleness/mean_token", "reward/mean")
+
+
+def evidence(steps: list[dict]) -> dict:
+    """Per evidence metric: its mean over each tenth of the run (the curve, short enough to keep for every run)."""
+    out = {}
+    n = len(steps)
+    for key in EVIDENCE:
+        tenths = []
+        for i in range(10):
+            vals = [r[key] for r in steps[i * n // 10:(i + 1) * n // 10] if key in r]
+            tenths.append(sum(vals) / len(vals) if vals else None)
+        if any(v is not None for v in tenths):
+            out[key] = tenths
+    return out
 
 
 def accuracy_at(evals: list[dict], wall_s: float) -> float:
