@@ -147,11 +147,15 @@ def test_a_job_pending_for_a_node_that_is_busy_or_reserved_waits_and_one_that_ca
     cancelled: list[str] = []
     monkeypatch.setattr(scheduler, "cancel", lambda job_id, sig=None: cancelled.append(job_id))
     for reason in ("ReqNodeNotAvail, UnavailableNodes:", "ReqNodeNotAvail, UnavailableNodes:node1",
-                   "ReqNodeNotAvail", "Resources", "Priority", "BeginTime"):
+                   "ReqNodeNotAvail", "Resources", "Priority", "BeginTime", "Dependency", "AssocGrpGRES",
+                   "QOSGrpCpuLimit", "QOSMaxJobsPerUserLimit", "AssocMaxJobsLimit", "QOSMaxCpuPerUserLimit"):
         assert scheduler._code(job, spec, "PENDING", reason) is None, reason
     assert not cancelled
-    assert scheduler._code(job, spec, "PENDING", "PartitionTimeLimit") == 1
-    assert cancelled == ["77"] and "can never start" in spec.log_path.read_text()
+    for i, reason in enumerate(("PartitionTimeLimit", "DependencyNeverSatisfied", "QOSMaxGRESPerJob",
+                                "AssocMaxCpuPerJobLimit", "QOSMaxMemoryPerNode", "QOSMinCpuNotSatisfied"), 1):
+        assert scheduler._code(job, spec, "PENDING", reason) == 1, reason
+        assert len(cancelled) == i
+    assert set(cancelled) == {"77"} and "can never start" in spec.log_path.read_text()
 
 
 def test_an_srun_step_stopped_to_be_restarted_ends_completed_and_hands_its_code_to_the_supervisor(tmp_path) -> None:

@@ -65,7 +65,7 @@ from hpcrl import atomic
 from hpcrl.launch.config import ResourcesConfig
 from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
 from hpcrl.launch.slurm_job import RESULTS, RunCommand, append_note, step_codes
-from hpcrl.launch.slurm_state import ENDED_BADLY, HOPELESS_REASONS, QUEUED, after_run, read_states, still_listed
+from hpcrl.launch.slurm_state import ENDED_BADLY, QUEUED, after_run, hopeless, read_states, still_listed
 from hpcrl.runtime.owner import ENV_INSTANCE
 from hpcrl.runtime.preempt import EXIT_REQUEUE
 
@@ -235,7 +235,7 @@ class SlurmScheduler:
             append_note(spec.log_path, f"Slurm job {job.job_id} ({state}): the component "
                                        f"{'was killed by signal %d' % -code if code < 0 else 'exited %d' % code}")
             return code
-        if state == "PENDING" and reason in HOPELESS_REASONS:
+        if state == "PENDING" and hopeless(reason):
             append_note(spec.log_path, f"Slurm job {job.job_id} can never start (pending, reason {reason}); "
                                        "cancelling it")
             self.cancel(job.job_id, signal.SIGKILL)

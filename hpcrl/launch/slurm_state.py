@@ -20,7 +20,19 @@ ENDED = ENDED_BADLY | {"COMPLETED"}
 # from which it was just preempted waits with it until the preemptor is done)
 HOPELESS_REASONS = {"BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig",
                     "InvalidAccount", "InvalidQOS", "QOSMaxWallDurationPerJobLimit", "AccountNotAllowed",
-                    "QOSNotAllowed", "PartitionDown", "PartitionInactive"}
+                    "QOSNotAllowed", "PartitionDown", "PartitionInactive", "DependencyNeverSatisfied"}
+
+
+def hopeless(reason: str) -> bool:
+    """Whether a job pending for ``reason`` can never start as submitted: a reason of
+    :data:`HOPELESS_REASONS`, or a per-job or per-node maximum (``AssocMax*PerJob*``, ``QOSMax*PerNode``, ...)
+    or a minimum of the association or QOS that the request itself breaks. Not the aggregate and per-user
+    limits (``AssocGrp*``, ``QOSGrp*``, ``QOSMaxJobsPerUserLimit``): those free up as other jobs end."""
+    word = reason.split(",")[0].strip()
+    if word in HOPELESS_REASONS:
+        return True
+    limit = word.startswith(("AssocMax", "QOSMax")) and ("PerJob" in word or "PerNode" in word)
+    return limit or word.startswith("QOSMin")
 
 
 def still_listed(job_id: str) -> bool:
