@@ -59,7 +59,8 @@ def _run(run_dir: Path) -> None:
     feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
     heartbeat = Heartbeat(run_dir, f"colocated@{fence.instance}", cfg.launch.heartbeat_interval_s)
 
-    def wait() -> None:
+    def wait() -> None:  # generating the batch is not hanging: the heartbeat goes on
+        heartbeat.beat()
         if fence.orphaned():
             raise Preempted("the supervisor is gone")
         if not worker.pump():

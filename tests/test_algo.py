@@ -357,6 +357,12 @@ def test_m2po_cutoff_summed_over_ranks_is_the_one_of_all_tokens_and_edge_cases()
         m2po_cutoff(ranks, 0.0)
     assert m2po_cutoff([torch.tensor([2.0, 3.0], dtype=F64)], 1.0) < 2.0  # even the smallest too far: all masked
     assert m2po_cutoff([torch.zeros(0, dtype=F64)], 1.0) == math.inf
+    # a token with m2 = inf (a -inf logprob) is masked alone: it neither sinks the others nor stays
+    finite = torch.tensor([0.001] * 99, dtype=F64)
+    for others in (finite, torch.cat([finite, torch.tensor([0.5, 0.6], dtype=F64)])):
+        m2 = torch.cat([others, torch.tensor([math.inf], dtype=F64)])
+        c = m2po_cutoff([m2], 0.04)
+        assert (m2 <= c).tolist() == ref_m2po_keep(others.tolist(), 0.04) + [False]
 
 
 @pytest.mark.parametrize("agg", AGGS)

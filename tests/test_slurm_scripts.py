@@ -232,16 +232,20 @@ def test_a_running_job_that_sacct_still_shows_pending_is_read_running_from_the_c
                                                                                           monkeypatch) -> None:
     """slurmdbd lags the controller (seconds here, more under load): a trainer running for a while read PENDING in
     sacct, the supervisor took it for queued and restarted its heartbeat clock, then failed it as silent. squeue's
-    word wins for every job sacct does not show ended; a finished job is not asked of squeue."""
+    word wins for every job it lists (a requeued job sacct still shows PREEMPTED reads PENDING); a finished job
+    keeps sacct's word, and so does every job while the controller does not answer."""
     from hpcrl.launch.slurm_state import read_states
 
-    asked = tmp_path / "asked"
-    fake = {"sacct": "echo '5|PENDING|None'; echo '6|COMPLETED|None'; echo '8|CANCELLED by 0|None'",
-            "squeue": f"echo \"$*\" >> {asked}; echo '5|RUNNING|None'; echo '7|PENDING|Resources'"}
+    fake = {"sacct": "echo '5|PENDING|None'; echo '6|COMPLETED|None'; echo '8|CANCELLED by 0|None'; "
+                     "echo '9|PREEMPTED|None'",
+            "squeue": "echo '5|RUNNING|None'; echo '7|PENDING|Resources'; echo '9|PENDING|BeginTime'"}
     for name, body in fake.items():
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    assert read_states(["5", "6", "7", "8"]) == {"5": ("RUNNING", "None"), "6": ("COMPLETED", "None"),
-                                                 "7": ("PENDING", "Resources"), "8": ("CANCELLED", "None")}
-    assert asked.read_text().split()[-1] == "5,7"
+    want = {"5": ("RUNNING", "None"), "6": ("COMPLETED", "None"), "7": ("PENDING", "Resources"),
+            "8": ("CANCELLED", "None"), "9": ("PENDING", "BeginTime")}
+    assert read_states(["5", "6", "7", "8", "9"]) == want
+    (tmp_path / "squeue").write_text("#!/bin/sh\nexit 1\n")  # the controller does not answer
+    assert read_states(["5", "6", "7", "8", "9"]) == {"5": ("PENDING", "None"), "6": ("COMPLETED", "None"),
+                                                      "8": ("CANCELLED", "None"), "9": ("PREEMPTED", "None")}

@@ -489,3 +489,21 @@ def test_the_trainer_beats_while_it_waits_for_its_batch_and_keeps_its_progress_i
     heartbeat.beat(version=8)
     heartbeat.beat(force=True)
     assert read_heartbeats(tmp_path)["trainer-r0@x"]["version"] == 8
+
+
+def test_a_rank_blocked_in_the_batch_broadcast_beats_from_a_thread_until_it_returns(tmp_path) -> None:
+    """Ranks > 0 wait inside the broadcast of rank 0's batch as long as rank 0 waits for rollouts: they used to
+    write nothing meanwhile, and a supervisor watching every rank's heartbeat (local scheduler) called them hung."""
+    from hpcrl.runtime.heartbeat import Heartbeat, beating, read_heartbeats
+
+    heartbeat = Heartbeat(tmp_path, "trainer-r1@x", interval_s=0.05)
+    heartbeat.beat(version=3)
+    before = read_heartbeats(tmp_path)["trainer-r1@x"]["time"]
+    with beating(heartbeat):
+        time.sleep(0.4)  # blocked, as in dist.broadcast_object_list
+    during = read_heartbeats(tmp_path)["trainer-r1@x"]
+    assert during["time"] > before + 0.2 and during["version"] == 3
+    time.sleep(0.2)
+    assert read_heartbeats(tmp_path)["trainer-r1@x"]["time"] == during["time"]  # the thread stopped
+    with beating(None):
+        pass

@@ -15,7 +15,8 @@ Largest-first masking keeps the tokens with ``m2 <= c`` for the largest cutoff
 all-reduce of two numbers per halving): the same cutoff with one rank and one
 micro-batch as with many, without gathering the tokens anywhere. Tokens tied
 with the cutoff are kept together. Should even the smallest ``m2`` reach the
-threshold, every token is masked and the update moves nothing.
+threshold, every token is masked and the policy-gradient term moves nothing
+(an entropy bonus or KL loss term still trains on them).
 
 The trainer computes the cutoff once per update from the proximal pass
 (:meth:`hpcrl.trainer.policy.PolicyTrainer._update`); the loss gives masked
@@ -45,28 +46,31 @@ def m2po_cutoff(chunks: Iterable[torch.Tensor], threshold: float,
                 global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> float:
     """The largest ``c`` such that the tokens with ``m2 <= c`` have a mean ``m2`` below ``threshold`` (``inf``
     when all of them do: nothing masked). ``chunks``: this rank's ``m2`` values (:func:`m2_values`), any number
-    of tensors; ``global_sum`` sums a float64 tensor over the ranks (identity for one process)."""
+    of tensors; ``global_sum`` sums a float64 tensor over the ranks (identity for one process). An infinite
+    ``m2`` (a logprob of ``-inf``) is always masked and left out of the means."""
     if not threshold > 0:
         raise ValueError(f"threshold: must be > 0, got {threshold}")
     values = [c.to(torch.float64).reshape(-1) for c in chunks]
+    infinite = sum(float((~torch.isfinite(v)).sum()) for v in values)
+    values = [v[torch.isfinite(v)] for v in values]
 
-    def kept(c: float) -> tuple[float, float]:
-        local = torch.zeros(2, dtype=torch.float64)
+    def kept(c: float) -> tuple[float, float, float]:
+        s, n = 0.0, 0.0
         for v in values:
             below = v[v <= c]
-            local += torch.stack([below.sum(), torch.tensor(float(below.numel()), dtype=torch.float64)])
-        s, n = global_sum(local).tolist()
-        return s, n
+            s, n = s + float(below.sum()), n + float(below.numel())
+        out = global_sum(torch.tensor([s, n, infinite], dtype=torch.float64))
+        return out[0].item(), out[1].item(), out[2].item()
 
-    total, n = kept(math.inf)
+    total, n, inf_tokens = kept(math.inf)
     if n == 0 or total / n < threshold:
-        return math.inf
+        return math.inf if inf_tokens == 0 else total  # every finite one kept (each is <= their sum)
     lo, hi = 0.0, total  # every m2 is in [0, sum of all]: what lo keeps has a mean below, what hi keeps not
     for _ in range(_HALVINGS):
         mid = (lo + hi) / 2
         if mid <= lo or mid >= hi:
             break
-        s, n = kept(mid)
+        s, n, _ = kept(mid)
         if n == 0 or s / n < threshold:
             lo = mid
         else:

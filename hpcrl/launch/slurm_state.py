@@ -13,8 +13,6 @@ ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "
                "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}
 # states of a job that waits in the queue (submitted, or requeued by a preemption) and will run
 QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
-# states of a job one run of which is over (what squeue says of it then is no better than sacct)
-ENDED = ENDED_BADLY | {"COMPLETED"}
 # pending reasons that no amount of waiting fixes. Not ReqNodeNotAvail: a node the job asks for is in use,
 # reserved for a preempting job or a maintenance window, or completing its last job (a rollout pinned to a node
 # from which it was just preempted waits with it until the preemptor is done)
@@ -71,22 +69,20 @@ def after_run(job_id: str, t: float) -> tuple[str, str]:
 def read_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
     """Job id -> (state, reason). sacct knows every job, finished ones too, but slurmdbd lags the controller by
     seconds and more under load: a job running for a while can still read PENDING there (and a supervisor then
-    took it for queued and restarted its heartbeat clock). squeue asks the controller and lists only jobs that
-    are not over, so its word wins for every job sacct does not already show ended."""
+    took it for queued and restarted its heartbeat clock), a requeued one PREEMPTED. squeue asks the controller
+    and lists only jobs that are not over (one line per array task with ``-r``): its word wins for every job it
+    lists. A controller that does not answer leaves sacct's word."""
     if not job_ids:
         return {}
     out: dict[str, tuple[str, str]] = {}
-    cmd = ["sacct", "-n", "-P", "-X", "-o", "JobID,State,Reason", "-j", ",".join(job_ids)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    for line in proc.stdout.splitlines():
-        jid, state, reason = (line.split("|") + ["", ""])[:3]
-        out[jid] = (state.split(" ")[0], reason)
-    live = [j for j in job_ids if out.get(j, ("", ""))[0] not in ENDED]
-    if live:
-        cmd = ["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(live)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    for cmd, first_word in ((["sacct", "-n", "-P", "-X", "-o", "JobID,State,Reason", "-j"], True),
+                            (["squeue", "-h", "-r", "-o", "%i|%T|%r", "-j"], False)):
+        try:
+            proc = subprocess.run([*cmd, ",".join(job_ids)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
         for line in proc.stdout.splitlines():
             jid, state, reason = (line.split("|") + ["", ""])[:3]
-            if jid in live:
-                out[jid] = (state, reason)
+            if jid in job_ids or first_word:
+                out[jid] = (state.split(" ")[0] if first_word else state, reason)
     return out

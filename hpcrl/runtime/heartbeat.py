@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hpcrl import atomic
 
@@ -36,6 +38,28 @@ class Heartbeat:
             atomic.write_json(self.path, {"time": now, "pid": os.getpid(), "host": socket.gethostname(),
                                           **self._info})
             self._last = now
+
+
+@contextmanager
+def beating(heartbeat: Heartbeat | None) -> Iterator[None]:
+    """Beat from a thread while the caller blocks where it cannot (a trainer rank > 0 in the batch broadcast,
+    waiting as long as rank 0 waits for rollouts; rank 0 beats for itself, so a hung rank 0 still shows)."""
+    if heartbeat is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(min(heartbeat.interval_s, 5.0)):
+            heartbeat.beat()
+
+    thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def read_heartbeats(run_dir: str | Path) -> dict[str, dict]:

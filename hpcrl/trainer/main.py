@@ -44,7 +44,7 @@ from hpcrl.trainer.checkpoint import Checkpointer
 from hpcrl.config import RunConfig, config_hash, load_saved
 from hpcrl.runtime.dist import DistContext, init_from_env
 from hpcrl.runtime.device import of as device_of
-from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.runtime.heartbeat import Heartbeat, beating
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
@@ -79,7 +79,7 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
     for version in range(start_version, total):
         t0 = time.time()
         try:
-            groups = take_batch(feed, ctx, version, wait)
+            groups = take_batch(feed, ctx, version, wait, heartbeat)
         except Preempted:
             if checkpointer and not checkpointer.has(version):
                 checkpointer.save(engine, version, counters(feed, reporter))
@@ -123,9 +123,10 @@ def _rank0_publishes(state: Mapping[str, torch.Tensor], version: int) -> None:
     raise RuntimeError("only the trainer's rank 0 publishes weights")
 
 
-def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
-               wait: Callable[[], None] | None) -> list[TrajectoryGroup]:
-    """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank."""
+def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Callable[[], None] | None,
+               heartbeat: Heartbeat | None = None) -> list[TrajectoryGroup]:
+    """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank. The other ranks beat
+    ``heartbeat`` while they wait for it (as long as rank 0 waits for rollouts)."""
     groups: object = None
     if ctx.is_main:
         try:
@@ -138,7 +139,8 @@ def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int,
             groups = _FENCED
     if ctx.world_size > 1:
         box = [groups]
-        dist.broadcast_object_list(box, src=0)
+        with beating(heartbeat if not ctx.is_main else None):
+            dist.broadcast_object_list(box, src=0)
         groups = box[0]
     if isinstance(groups, str) and groups == _PREEMPTED:
         raise Preempted(f"signal while waiting for the batch of version {version}")
