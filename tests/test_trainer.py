@@ -169,9 +169,10 @@ def test_plain_ppo_anchors_on_the_behaviour_policy(tmp_path) -> None:
     _tiny_model(model_path)
     runs = _single_rank_variants(_anchor_rank, model_path, tmp_path, (True, False))
     plain, dec = runs[False], runs[True]
-    weight = {k: v for k, v in plain["stats"].items() if "imp_weight_m" in k}
-    assert weight and all(v == 1.0 for v in weight.values()), plain["stats"]
-    assert any(v != 1.0 for k, v in dec["stats"].items() if "imp_weight_m" in k), dec["stats"]
+    weight = {k: v for k, v in plain["stats"].items() if k in ("loss/imp_weight_mean", "loss/imp_weight_max")}
+    assert len(weight) == 2 and all(v == 1.0 for v in weight.values()), plain["stats"]
+    assert plain["stats"]["loss/imp_weight_m2"] == 0.0  # log weight 0 on every token
+    assert any(dec["stats"][k] != 1.0 for k in weight) and dec["stats"]["loss/imp_weight_m2"] > 0, dec["stats"]
     assert max((plain["state"][k] - dec["state"][k]).abs().max().item() for k in plain["state"]) > 1e-6
 
 
