@@ -32,6 +32,7 @@ from hpcrl.ckpt.config import CheckpointConfig, InitConfig
 from hpcrl.data.config import DataConfig
 from hpcrl.eval.config import EvalConfig
 from hpcrl.launch.config import LaunchConfig
+from hpcrl.metrics.config import MetricsConfig
 from hpcrl.model.config import ModelConfig
 from hpcrl.reward.config import RewardConfig
 from hpcrl.rollout.config import RolloutConfig
@@ -68,6 +69,7 @@ class RunConfig:
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.algo.temperature != self.rollout.temperature:

@@ -1,5 +1,6 @@
 """The run explorer's page in a real headless browser (Debian's chromium through chromedriver) on real runs:
-a finished quickstart run and one whose trainer was killed and restarted by the watchdog.
+a finished quickstart run and one whose trainer was killed and restarted by the watchdog (``restarted_run``,
+tests/conftest.py).
 
 Every panel must have drawn data, the restart must be marked on the curves and the timeline, and the tokens
 of an opened trajectory must carry the versions its spool file holds. The static export must do the same
@@ -10,14 +11,12 @@ Needs chromium and chromium-driver: the README's test command installs them (scr
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from chaos_script import load_chaos, load_script
+from chaos_script import load_script
 from test_e2e import ROOT, submit_args
 
 from hpcrl.explore.export import export_html
@@ -62,24 +61,6 @@ def finished(tmp_path_factory, cache) -> Path:
     proc = start(run, cache, "trainer.total_steps=12", "admission.max_staleness=2", "eval.every_steps=4")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def restarted(tmp_path_factory, cache) -> Path:
-    """The trainer killed (SIGKILL) after step 8 of 30; the watchdog restarts it from its checkpoint."""
-    run = tmp_path_factory.mktemp("explore") / "restarted"
-    proc = start(run, cache, "trainer.total_steps=30", "ckpt.every_steps=4", "eval.every_steps=10",
-                 "admission.max_staleness=1")
-    deadline = time.time() + 200
-    while not any(r.get("step", 0) >= 8 for r in read_metrics(run / "logs/metrics.jsonl")):
-        assert time.time() < deadline and proc.poll() is None, "the run did not reach step 8"
-        time.sleep(0.2)
-    for pid in load_chaos().run_processes(run)["trainer"]:
-        os.kill(pid, signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert '"action": "restart"' in (run / "jobs" / "events.jsonl").read_text()
     return run
 
 
@@ -132,7 +113,8 @@ def test_the_page_of_a_finished_run(browser, finished) -> None:
         srv.server_close()
 
 
-def test_the_page_of_a_run_with_a_restart_marks_it(browser, restarted) -> None:
+def test_the_page_of_a_run_with_a_restart_marks_it(browser, restarted_run) -> None:
+    restarted = restarted_run
     srv = make_server(RunView(restarted), "127.0.0.1", 0, token="t0ken")
     serve_in_thread(srv)
     try:
@@ -149,7 +131,8 @@ def test_the_page_of_a_run_with_a_restart_marks_it(browser, restarted) -> None:
         srv.server_close()
 
 
-def test_the_static_export_opens_from_a_file(browser, restarted, tmp_path) -> None:
+def test_the_static_export_opens_from_a_file(browser, restarted_run, tmp_path) -> None:
+    restarted = restarted_run
     out = export_html(RunView(restarted), tmp_path / "report.html", groups_per_kind=5)
     browser.get(out.as_uri())
     check_page(browser, restarted, "export")

@@ -27,6 +27,7 @@ state of its own. It is fenced to its owner epoch like every component
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ class Evaluator:
         self.run_dir, self.cfg, self.fence, self.heartbeat, self.preempt = run_dir, cfg, fence, heartbeat, preempt
         self.snapshots = Snapshots(run_dir / "eval" / "pending")
         self.snapshots.clean_tmp(older_than_s=3600)  # a put takes seconds: an hour-old temporary has no writer
-        self.log = EvalLog(run_dir / "logs")
+        self.log = EvalLog(run_dir / "logs", metrics=cfg.metrics, config=dataclasses.asdict(cfg))
         self.tokenizer = load_tokenizer(prep.init_model)
         self.device = detect("auto").device()
         self.model = load_model(prep.init_model).to(self.device)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcrl import atomic
+from hpcrl.metrics.config import MetricsConfig
 from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WEIGHTS_FILE
@@ -130,14 +131,16 @@ class Snapshots:
 class EvalLog:
     """``logs/eval.jsonl`` (and TensorBoard), written by the one evaluation component of the run."""
 
-    def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, log_dir: str | Path, tensorboard: bool = True, metrics: MetricsConfig | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         self.path = Path(log_dir) / EVAL_LOG
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
         records = read_metrics(self.path)
         self._ids = {r.get("eval/snapshot") for r in records}
         self.steps = {int(r.get("step", 0)) for r in records}  # steps evaluated at least once
-        self.writer = MetricsWriter(log_dir, tensorboard, filename=EVAL_LOG, durable=True)
+        self.writer = MetricsWriter(log_dir, tensorboard, filename=EVAL_LOG, durable=True, trackers=metrics,
+                                    component="eval", config=config)
 
     def _repair(self) -> None:
         """Cut a last line a killed writer left unfinished (it has no record: the snapshot is still pending)."""

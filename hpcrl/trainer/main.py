@@ -29,6 +29,7 @@ preemption signal: checkpoint, exit 75.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -206,7 +207,8 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
     runner = build_scorer(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         eval_rows=eval_rows, measure=held_out(cfg, tokenizer, runner),
-                        instance=fence.instance if fence else "", fence=fence)
+                        instance=fence.instance if fence else "", fence=fence, metrics=cfg.metrics,
+                        config=dataclasses.asdict(cfg))
     return feed, reporter, runner
 
 

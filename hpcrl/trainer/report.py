@@ -44,6 +44,7 @@ from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import EvalResult
 from hpcrl.eval.config import EvalConfig
 from hpcrl.eval.snapshots import Snapshots
+from hpcrl.metrics.config import MetricsConfig
 from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
 from hpcrl.model.hf_io import load_model
 from hpcrl.runtime.owner import Fence, NoFence
@@ -76,9 +77,11 @@ def group_stats(groups: list[TrajectoryGroup], version: int) -> dict[str, float]
 class Reporter:
     def __init__(self, log_dir, eval_cfg: EvalConfig, total_steps: int, *, model_path: str, eval_rows: list[Row],
                  measure: Callable[..., EvalResult], instance: str = "",
-                 fence: Fence | NoFence | None = None) -> None:
-        """``measure(model, rows)``: the run's held-out accuracy (:func:`hpcrl.eval.measure.held_out`)."""
-        self.writer = MetricsWriter(log_dir)
+                 fence: Fence | NoFence | None = None, metrics: MetricsConfig | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """``measure(model, rows)``: the run's held-out accuracy (:func:`hpcrl.eval.measure.held_out`);
+        ``metrics``: the run's trackers (None: TensorBoard), ``config``: the run's config for their run page."""
+        self.writer = MetricsWriter(log_dir, trackers=metrics, component="trainer", config=config)
         self.cfg, self.total_steps = eval_cfg, total_steps
         component = eval_cfg.mode == "component"
         self.model = None if component else load_model(model_path)
