@@ -106,7 +106,7 @@ def main() -> None:
     result: dict = {"groups": args.groups, "run_dir_files": sum(len(f) for _, _, f in os.walk(root))}
     cold, warm, group = [], [], []
     for _ in range(3):  # a fresh explorer each time: cold caches (the OS's file cache stays warm)
-        srv = make_server(RunView(root), "127.0.0.1", 0)
+        srv = make_server(RunView(root), "127.0.0.1", 0, token="")
         serve_in_thread(srv)
         port = srv.server_address[1]
         cold.append(page_load(port))
@@ -135,7 +135,7 @@ def http_get(port: int, path: str) -> bytes:
 
 
 def fetch_size(root: Path) -> int:
-    srv = make_server(RunView(root), "127.0.0.1", 0)
+    srv = make_server(RunView(root), "127.0.0.1", 0, token="")
     serve_in_thread(srv)
     try:
         return fetch(srv.server_address[1], "/api/curves?since=0")[1]

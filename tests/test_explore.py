@@ -153,7 +153,7 @@ def get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict | 
 
 @pytest.fixture
 def server(run):
-    srv = make_server(RunView(run), "127.0.0.1", 0)
+    srv = make_server(RunView(run), "127.0.0.1", 0, token="")  # no token: loopback only
     serve_in_thread(srv)
     yield srv
     srv.shutdown()
@@ -200,7 +200,7 @@ def test_a_token_guards_every_route_and_the_cookie_carries_it(run) -> None:
         assert get(port, "/api/summary", {"Authorization": "Bearer wrong"})[0] == 401
         assert get(port, "/api/summary", {"Authorization": "Bearer s3cret"})[0] == 200
         code, _, headers = get(port, "/?token=s3cret")
-        assert code == 200 and "HttpOnly" in headers["Set-Cookie"]
+        assert code == 200 and "HttpOnly" in headers["Set-Cookie"] and f"_{port}=" in headers["Set-Cookie"]
         cookie = headers["Set-Cookie"].split(";")[0]
         assert get(port, "/api/summary", {"Cookie": cookie})[0] == 200
     finally:
@@ -208,12 +208,15 @@ def test_a_token_guards_every_route_and_the_cookie_carries_it(run) -> None:
         srv.server_close()
 
 
-def test_off_loopback_a_token_is_generated(run) -> None:
-    srv = make_server(RunView(run), "0.0.0.0", 0)
-    try:
-        assert len(srv.token) >= 24
-    finally:
-        srv.server_close()
+def test_a_token_is_generated_unless_turned_off_on_loopback(run) -> None:
+    for host in ("127.0.0.1", "0.0.0.0"):
+        srv = make_server(RunView(run), host, 0)
+        try:
+            assert len(srv.token) >= 24
+        finally:
+            srv.server_close()
+    with pytest.raises(ValueError, match="off loopback the explorer needs an access token"):
+        make_server(RunView(run), "0.0.0.0", 0, token="")
 
 
 def test_the_export_is_one_file_with_the_data_and_no_network(run, tmp_path) -> None:
@@ -237,3 +240,41 @@ def test_the_command_exports_without_loading_torch(run, tmp_path) -> None:
     assert heavy_modules(proc.stderr) == []
     bad = subprocess.run(light_command("hpcrl.explore", str(tmp_path)), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a run directory" in bad.stderr
+
+
+def test_unreadable_files_are_opened_once_for_the_reward_filter(run, monkeypatch) -> None:
+    import hpcrl.explore.reader as reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_PER_QUERY", 2)
+    for k in range(4):  # junk ahead of the readable file in quarantine
+        (run / "spool" / "quarantine" / f"g00000000{k}_v000000-000000_r9-e1n1.h5").write_bytes(b"junk")
+    view, offset, found = RunView(run), 0, []
+    for _ in range(6):
+        page = view.groups(GroupQuery(kind="quarantine", reward_min=0.0, offset=offset))
+        found += [g["ticket"] for g in page["groups"]]
+        if not page["truncated"]:
+            break
+        offset = page["next_offset"]
+    assert found == [21]  # reached: each junk file cost one open, once
+
+
+def test_the_export_of_a_live_run_skips_a_group_moved_meanwhile(run, tmp_path, monkeypatch) -> None:
+    view = RunView(run)
+    real = view.group
+
+    def moved(rel: str) -> dict:
+        if rel.startswith("ready/"):
+            raise FileNotFoundError(rel)  # claimed by the trainer between the listing and the read
+        return real(rel)
+
+    monkeypatch.setattr(view, "group", moved)
+    html = export_html(view, tmp_path / "r.html", groups_per_kind=2).read_text()
+    assert "ready/g000000022" not in html.split("window.HPCRL_EXPORT")[1].split("</script>")[0]
+
+
+def test_no_text_of_the_run_can_break_out_of_the_exported_script(run, tmp_path) -> None:
+    (run / "spool" / "dropped" / "g000000020_v000001-000001_r1-e2n1.h5.reason.json").write_text(
+        json.dumps({"reason": "<!--<script></script><b>x</b>"}))
+    html = export_html(RunView(run), tmp_path / "r.html").read_text()
+    data = html[html.index("window.HPCRL_EXPORT = "):html.index("</script>")]
+    assert "<" not in data.split("=", 1)[1] and "\\u003c!--" in data

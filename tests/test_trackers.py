@@ -7,6 +7,7 @@ writer alone; with a real run whose trainer is killed and restarted in :func:`te
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -180,3 +181,54 @@ def mlflow_eval_steps(logs: Path) -> list[int]:
                               filter_string="tags.`hpcrl.component` = 'eval'")
     assert len(runs) == 1
     return sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
+
+
+class Flaky(Recorder):
+    """Fails at step 3 (a tracker server that went away)."""
+
+    def log(self, scalars, step) -> None:
+        if step == 3:
+            raise ConnectionError("tracker server unreachable")
+        super().log(scalars, step)
+
+
+def test_late_evaluations_failures_and_bad_marks(tmp_path, caplog) -> None:
+    logs = tmp_path / "logs"
+    own = MetricsConfig(trackers=["test_trackers:Flaky"])
+    first = MetricsWriter(logs, trackers=own)
+    for step in range(1, 6):
+        first.write({"step": step, "r": step})
+    first.close()  # no kill: the tracker failed at step 3 and got nothing after it in this leg
+    assert Recorder.seen == [(1, {"r": 1.0}), (2, {"r": 2.0}), "closed"] and "left out" in caplog.text
+    assert json.loads((logs / "trackers" / "trainer-test_trackers_Flaky.step").read_text())["step"] == 2
+    second = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:Recorder"]))
+    assert [s for s, _ in Recorder.seen] == [1, 2, 3, 4, 5]  # another name, its own mark: the whole file first
+    second.close()
+    (logs / "trackers" / "trainer-test_trackers_Recorder.step").write_text("")  # a lost node's empty mark
+    third = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:Recorder"]))
+    assert [s for s, _ in Recorder.seen] == [1, 2, 3, 4, 5]  # replayed, not stuck
+    third.write({"step": 2, "eval/accuracy": 0.5})  # a version evaluated late (resumed with eval.mode=trainer)
+    third.write({"step": 4, "r": 9})  # recomputed from an older checkpoint: not again
+    third.write({"step": 6, "r": 6, "eval/accuracy": 0.7})
+    third.write({"step": 5, "eval/accuracy": 0.6})  # an evaluation older than one handed over: not again
+    third.close()
+    assert Recorder.seen[5:] == [(2, {"eval/accuracy": 0.5}), (6, {"r": 6.0, "eval/accuracy": 0.7}), "closed"]
+
+
+def test_a_run_from_before_the_marks_does_not_log_its_steps_to_tensorboard_again(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    old = MetricsWriter(logs)  # what the code before the marks did: every record to TensorBoard
+    for step in range(1, 4):
+        old.write({"step": step, "reward/mean": step})
+    old.close()
+    for mark in (logs / "trackers").iterdir():
+        mark.unlink()
+    resumed = MetricsWriter(logs)
+    resumed.write({"step": 4, "reward/mean": 4})
+    resumed.close()
+    acc = EventAccumulator(str(logs / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3, 4]

@@ -1,9 +1,9 @@
 """``python -m hpcrl.explore <run_dir> [--port N] [--host H] [--export report.html]``: look at a run in a browser.
 
 Serves the run explorer (:mod:`hpcrl.explore.server`) until Ctrl-C, on
-127.0.0.1 by default; on another address it needs an access token (given
-with --token or $HPCRL_EXPLORE_TOKEN, else generated) and prints the URL
-that carries it. ``--export FILE`` writes one self-contained HTML file and
+127.0.0.1 by default, behind an access token (given with --token or
+$HPCRL_EXPLORE_TOKEN, else generated; --no-token on loopback only), and
+prints the URL that carries it. ``--export FILE`` writes one self-contained HTML file and
 exits. Reads the run directory only: it works on a live run and on a
 finished one. Exit codes: 0 done, 2 not a run directory or a bad option.
 """
@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8787, help="port (0: any free one; default 8787)")
     parser.add_argument("--token", default=os.environ.get("HPCRL_EXPLORE_TOKEN"),
-                        help="access token off loopback (default $HPCRL_EXPLORE_TOKEN, else generated)")
+                        help="access token (default $HPCRL_EXPLORE_TOKEN, else generated and printed in the URL)")
+    parser.add_argument("--no-token", action="store_true",
+                        help="no token, on loopback only (anyone logged in to this host can then read the run)")
     parser.add_argument("--export", type=Path, metavar="FILE", help="write a self-contained HTML report and exit")
     parser.add_argument("--export-groups", type=int, default=50, metavar="N",
                         help="groups of each spool kind (trained, dropped, ...) in the export (default 50)")
@@ -43,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hpcrl.explore.server import make_server, url_of
     try:
-        srv = make_server(view, args.host, args.port, args.token)
+        srv = make_server(view, args.host, args.port, "" if args.no_token else args.token)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,10 @@ def export_html(view: RunView, out: str | Path, groups_per_kind: int = 50) -> Pa
         page = view.groups(GroupQuery(kind=kind, limit=max(1, min(groups_per_kind, 500))))["groups"]
         rows = []
         for g in page[:groups_per_kind]:
-            detail = view.group(g["path"])
+            try:
+                detail = view.group(g["path"])
+            except FileNotFoundError:  # a live run moved it (claimed, trained) since the listing
+                continue
             details[g["path"]] = detail
             samples = detail.get("samples") or []
             rows.append({**g, "reason": (detail.get("reason") or {}).get("reason", ""),
@@ -40,7 +43,9 @@ def export_html(view: RunView, out: str | Path, groups_per_kind: int = 50) -> Pa
             "groups": groups, "details": details, "exported": time.strftime("%Y-%m-%d %H:%M")}
     page = static_file("index.html").decode()
     css = static_file("explore.css").decode()
-    head = (f"<style>\n{css}</style>\n<script>window.HPCRL_EXPORT = {_script(json.dumps(data))};</script>\n"
+    # every "<" of the data escaped: no prompt or reason text can end the script or open a comment in it
+    embedded = json.dumps(data).replace("<", "\\u003c")
+    head = (f"<style>\n{css}</style>\n<script>window.HPCRL_EXPORT = {embedded};</script>\n"
             f"<script>{_script(static_file('plotly.min.js').decode())}</script>\n")
     page = page.replace('<link rel="stylesheet" href="static/explore.css">', "")
     page = page.replace('<script src="static/plotly.min.js"></script>', head)

@@ -98,7 +98,7 @@ class RunView:
         self._lock = threading.Lock()
         self._tails: dict[str, _Tail] = {}
         self._listings: dict[Path, tuple[int, list[dict]]] = {}
-        self._rewards: dict[str, float] = {}
+        self._rewards: dict[str, float | None] = {}
         self._tokenizer: Any = None
         self.config = _load_yaml(self.root / "config.yaml")
 
@@ -291,6 +291,8 @@ class RunView:
         try:
             g = read_group(self.resolve(rel))
         except Exception:  # noqa: BLE001 - a quarantined or vanished file has no reward to filter on
+            with self._lock:
+                self._rewards[rel] = None  # not opened again by the next page
             return None
         reward = sum(s.reward for s in g.samples) / len(g.samples) if g.samples else 0.0
         with self._lock:

@@ -7,11 +7,12 @@ Routes (GET only):
 - ``/api/summary``, ``/api/curves?since=N``, ``/api/events``, ``/api/groups?kind=&step_min=&...``,
   ``/api/group?path=<spool path>``.
 
-Security: it binds 127.0.0.1 unless told otherwise; on any other address it needs an access token (given,
-or generated and printed): the URL it prints carries ``?token=``, the page then holds it in an HttpOnly
-cookie, and API clients may send ``Authorization: Bearer <token>``. Requests whose ``Host`` header names
-another host are refused (a DNS-rebinding page cannot read the run), a path outside the run's spool is
-refused with 403, a bad parameter with 400; a failing request never stops the server.
+Security: it binds 127.0.0.1 unless told otherwise and needs an access token (given, or generated and
+printed; on loopback it may be turned off): the URL it prints carries ``?token=``, the page then holds it in
+an HttpOnly cookie, and API clients may send ``Authorization: Bearer <token>``. Without a token, requests
+whose ``Host`` header names another host are refused (a DNS-rebinding page cannot read the run). A path
+outside the run's spool is refused with 403, a bad parameter with 400; a failing request never stops the
+server.
 Lifecycle: :func:`make_server` builds it, ``serve_forever()`` runs it (a thread per request),
 ``shutdown()`` ends it; the run directory is never written.
 """
@@ -139,6 +140,7 @@ class Explorer:
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: "_Server"
     protocol_version = "HTTP/1.1"
+    timeout = 30  # an idle keep-alive connection gives its thread back
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet: one debug line per request
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -170,7 +172,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return self._send(HTTPStatus.UNAUTHORIZED, {"error": "access token required: open the URL the "
                                                             "explorer printed (it carries ?token=)"})
             if params.get("token"):
-                new_cookie = f"{COOKIE}={self.server.token}; HttpOnly; SameSite=Strict; Path=/"
+                new_cookie = f"{self._cookie_name()}={self.server.token}; HttpOnly; SameSite=Strict; Path=/"
         params.pop("token", None)
         if url.path in ("/", "/index.html"):
             return self._send_bytes(HTTPStatus.OK, static_file("index.html"), "text/html; charset=utf-8", new_cookie)
@@ -195,10 +197,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
+    def _cookie_name(self) -> str:
+        return f"{COOKIE}_{self.server.server_address[1]}"  # two explorers on one host keep their own tokens
+
     def _cookie(self) -> str:
         for part in (self.headers.get("Cookie") or "").split(";"):
             k, _, v = part.strip().partition("=")
-            if k == COOKIE:
+            if k == self._cookie_name():
                 return v
         return ""
 
@@ -236,9 +241,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 def make_server(view: RunView, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> _Server:
-    """A server for ``view`` on ``host:port`` (0: any free port). Off loopback a token is required:
-    ``token`` or a generated one (``server.token``)."""
-    if host not in LOOPBACK and not token:
+    """A server for ``view`` on ``host:port`` (0: any free port), guarded by ``token`` (None: a generated one,
+    ``server.token``; "": none, on loopback only: other users of a shared login node can reach loopback)."""
+    if token == "" and host not in LOOPBACK:
+        raise ValueError(f"--host {host}: off loopback the explorer needs an access token")
+    if token is None:
         token = secrets.token_urlsafe(24)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     cls = type("ExplorerServer", (_Server,), {"address_family": family})

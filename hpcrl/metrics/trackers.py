@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 from hpcrl import atomic
 from hpcrl.metrics.config import MetricsConfig
 
-__all__ = ["Tracker", "TrackerContext", "TRACKERS", "open_trackers"]
+__all__ = ["Tracker", "TrackerContext", "TRACKERS", "open_tracker"]
 
 log = logging.getLogger(__name__)
 
@@ -161,5 +161,5 @@ def _factory(name: str) -> Callable[[MetricsConfig, TrackerContext], Tracker]:
     return getattr(importlib.import_module(module), attr)
 
 
-def open_trackers(cfg: MetricsConfig, ctx: TrackerContext) -> list[Tracker]:
-    return [_factory(name)(cfg, ctx) for name in cfg.trackers]
+def open_tracker(name: str, cfg: MetricsConfig, ctx: TrackerContext) -> Tracker:
+    return _factory(name)(cfg, ctx)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.metrics.config import MetricsConfig
-from hpcrl.metrics.trackers import TrackerContext, open_trackers
+from hpcrl.metrics.trackers import Tracker, TrackerContext, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,14 @@ class MetricsWriter:
     each step's scalars to the run's trackers (hpcrl/metrics/trackers.py): ``trackers`` is the run's
     ``metrics`` config (None: TensorBoard alone if ``tensorboard``), ``component`` names the tracker run.
 
-    Each tracker gets each step once and none is skipped, across restarts: the last step a tracker holds for
-    sure is kept in ``logs/trackers/<component>-<tracker>.step`` (after every record for a tracker whose log
-    is on disk when it returns, at a clean close for one that buffers, W&B); a new leg first hands each
-    tracker the records of the JSONL file after its mark (what a killed leg logged but the tracker lost),
-    then goes on, and a record of a step at or below the mark (recomputed from an older checkpoint, or an
-    evaluation of an earlier version) goes to the JSONL file only."""
+    Each tracker gets each step once and none is skipped, across restarts: the last step it holds for sure
+    is kept in ``logs/trackers/<component>-<tracker>.step`` (after every record for a tracker whose log is on
+    disk when it returns, at a clean close for one that buffers, W&B), with the last evaluation's step; a new
+    leg first hands each tracker the records of the JSONL file after its mark (what a killed leg logged but
+    the tracker lost), then goes on. A record of a step at or below the mark (recomputed from an older
+    checkpoint) goes to the JSONL file only, unless it is an evaluation (``eval/accuracy``) of a step after
+    the last evaluation handed over (a version evaluated late). A tracker that fails is left out for the rest
+    of the leg with a warning (the JSONL file has every record; the next leg hands it what it missed)."""
 
     def __init__(self, log_dir: str | Path, tensorboard: bool = True, filename: str = METRICS_LOG,
                  durable: bool = False, trackers: MetricsConfig | None = None, component: str = "trainer",
@@ -50,15 +52,36 @@ class MetricsWriter:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.durable = durable
         cfg = trackers if trackers is not None else MetricsConfig(trackers=["tensorboard"] if tensorboard else [])
-        self._trackers = dict(zip(cfg.trackers, open_trackers(cfg, TrackerContext(self.log_dir, component,
-                                                                                  config or {}))))
-        self._marks = {name: self.log_dir / "trackers" / f"{component}-{re.sub(r'[^A-Za-z0-9]+', '_', name)}.step"
-                       for name in self._trackers}
-        self._tracked = {name: int(p.read_text()) if p.exists() else -1 for name, p in self._marks.items()}
-        if self._trackers:
-            for record in read_metrics(self.log_dir / filename):  # what the last leg wrote, trackers may lack
-                self._hand_over(record)
+        ctx = TrackerContext(self.log_dir, component, config or {})
+        earlier = read_metrics(self.log_dir / filename) if cfg.trackers else []  # what the last legs wrote
+        self._trackers: dict[str, Tracker] = {}
+        self._failed: set[str] = set()  # left out for the rest of this leg (closed, but their marks stay)
+        self._marks: dict[str, Path] = {}
+        self._tracked: dict[str, dict[str, int]] = {}
+        for name in cfg.trackers:
+            self._marks[name] = self.log_dir / "trackers" / f"{component}-{re.sub(r'[^A-Za-z0-9]+', '_', name)}.step"
+            self._tracked[name] = self._read_mark(name, earlier)
+            try:
+                self._trackers[name] = open_tracker(name, cfg, ctx)
+            except Exception as e:  # noqa: BLE001 - an unreachable tracker server must not stop training
+                log.warning("metrics tracker %s could not be opened (%s: %s): this leg writes %s only; the next "
+                            "leg hands it what it missed", name, type(e).__name__, e, filename)
+        for record in earlier:
+            self._hand_over(record)
         self._file = open(self.log_dir / filename, "a")
+
+    def _read_mark(self, name: str, earlier: list[dict[str, Any]]) -> dict[str, int]:
+        path = self._marks[name]
+        try:
+            mark = json.loads(path.read_text())
+            return {"step": int(mark["step"]), "eval": int(mark["eval"])}
+        except FileNotFoundError:
+            if name == "tensorboard" and earlier:  # a run from before the marks: TensorBoard got every record
+                top = max(int(r.get("step", 0)) for r in earlier)
+                return {"step": top, "eval": top}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s unreadable (%s): tracker %s gets this component's records again", path, e, name)
+        return {"step": -1, "eval": -1}
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: _jsonable(v) for k, v in record.items()}
@@ -70,27 +93,45 @@ class MetricsWriter:
 
     def _hand_over(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
+        evaluation = record.get("eval/accuracy") is not None
         scalars = {k: float(v) for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for name, tracker in self._trackers.items():
-            if step > self._tracked[name]:
+            mark = self._tracked[name]
+            if name in self._failed or not (step > mark["step"] or (evaluation and step > mark["eval"])):
+                continue
+            try:
                 tracker.log(scalars, step)
-                self._tracked[name] = step
-                if getattr(tracker, "durable", True):
-                    self._mark(name)
+            except Exception as e:  # noqa: BLE001 - leave it out for the rest of this leg, keep training
+                log.warning("metrics tracker %s failed at step %d (%s: %s): left out for the rest of this leg; "
+                            "the next leg hands it what it missed", name, step, type(e).__name__, e)
+                self._failed.add(name)
+                continue
+            mark["step"] = max(mark["step"], step)
+            if evaluation:
+                mark["eval"] = step
+            if getattr(tracker, "durable", True):
+                self._mark(name)
 
     def _mark(self, name: str) -> None:
         path = self._marks[name]
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")  # renamed whole; read only by this component's next leg
-        tmp.write_text(str(self._tracked[name]))
+        # renamed whole, not fsynced (one per step): a lost node may leave an older or empty mark, and the next
+        # leg then hands a tracker some steps again; a killed process loses nothing
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self._tracked[name]))
         os.replace(tmp, path)
 
     def close(self) -> None:
         self._file.close()
         for name, tracker in self._trackers.items():
-            tracker.close()
-            self._mark(name)  # a buffering tracker holds everything once closed
+            try:
+                tracker.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("metrics tracker %s failed to close (%s: %s)", name, type(e).__name__, e)
+                continue
+            if name not in self._failed:
+                self._mark(name)  # a buffering tracker holds everything once closed
 
 
 def _jsonable(v: Any) -> Any:

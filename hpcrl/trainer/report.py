@@ -13,7 +13,8 @@ counters kept in it (:meth:`Reporter.counters` / :meth:`Reporter.restore`):
 
 * ``time/elapsed_s``: wall seconds since the run's first trainer started,
   downtime between legs included; ``time/unix``: when the record was written;
-* ``staleness/tokens_behind_<k>``: trained tokens generated ``k`` versions
+* ``staleness/tokens_behind_<k>``: response tokens of the trained groups (loss-masked ones too, as
+  ``staleness/mean_token``) generated ``k`` versions
   before the step's version (``k`` = 32 counts 32 and more; zero counts left out);
 * ``time/train_s``: seconds of training loop summed over legs; ``time/leg_s``
   and ``leg`` (1, 2, ...): this leg's;
@@ -60,7 +61,7 @@ def group_stats(groups: list[TrajectoryGroup], version: int) -> dict[str, float]
     versions = np.concatenate([s.versions for g in groups for s in g.samples if len(s.versions)] or [np.zeros(0)])
     heads = np.array([g.min_version for g in groups])
     stale = version - versions if len(versions) else np.zeros(1)
-    # trained tokens by versions behind (the explorer's staleness panel); the last bucket holds >= 32
+    # the groups' response tokens by versions behind (the explorer's staleness panel); the last bucket holds >= 32
     behind = np.bincount(np.clip(stale.astype(np.int64), 0, 32), minlength=1) if len(versions) else np.zeros(0)
     return {
         **{f"staleness/tokens_behind_{k}": float(n) for k, n in enumerate(behind) if n},

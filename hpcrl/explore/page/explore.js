@@ -156,14 +156,17 @@ function drawStaleness() {
     const buckets = [...ks].sort((a, b) => a - b);
     const wins = [];
     for (let i = 0; i < rows.length; i += window) wins.push(rows.slice(i, i + window));
-    const labels = wins.map((w) => `${w[0].step}-${w[w.length - 1].step}`);
+    // x: the window's place (a restarted trainer logs some steps twice: two windows may span the same steps)
+    const labels = wins.map((_, i) => i);
+    const spans = wins.map((w) => `steps ${w[0].step}-${w[w.length - 1].step}`);
     for (const k of buckets) {
       const y = wins.map((w) => {
         const count = (r, b) => r[`staleness/tokens_behind_${b}`] || 0;
         const total = w.reduce((s, r) => s + buckets.reduce((t, b) => t + count(r, b), 0), 0);
         return total ? w.reduce((s, r) => s + (r[`staleness/tokens_behind_${k}`] || 0), 0) / total : 0;
       });
-      traces.push({ type: "bar", name: `${k}${k === 32 ? "+" : ""} behind`, x: labels, y,
+      traces.push({ type: "bar", name: `${k}${k === 32 ? "+" : ""} behind`, x: labels, y, text: spans,
+        textposition: "none", hovertemplate: "%{text}: %{y:.1%}",
         marker: { color: k > eta ? "#d62728" : `hsl(${210 - 170 * Math.min(k, 8) / 8}, 65%, 50%)` } });
     }
     div.dataset.buckets = buckets.join(",");
@@ -178,9 +181,9 @@ function drawStaleness() {
     line: { color: "#d62728", dash: "dot" } }] : [];
   Plotly.react(div, traces, {
     barmode: "stack", margin: { l: 50, r: 10, t: 30, b: 60 }, shapes,
-    title: { text: `staleness bound η = ${eta}` + (ks.size ? " (share of the window's trained tokens)" : ""),
+    title: { text: `staleness bound η = ${eta}` + (ks.size ? " (share of the window's response tokens)" : ""),
       font: { size: 13 } },
-    xaxis: { title: { text: ks.size ? `steps (windows of ${window})` : "step" } },
+    xaxis: { title: { text: ks.size ? `windows of ${window} logged steps, in order (hover for the steps)` : "step" } },
     yaxis: { title: { text: ks.size ? "share of tokens" : "versions behind" } },
   }, { displayModeBar: false, responsive: true });
 }
@@ -240,7 +243,10 @@ async function loadGroups(offset = 0) {
     tr.addEventListener("click", () => showGroup(g.path, tr));
     return tr;
   }));
-  if (!page.groups.length) body.append(el("tr", {}, el("td", { colspan: 6, class: "empty" }, "no groups match")));
+  if (!page.groups.length) {
+    body.append(el("tr", {}, el("td", { colspan: 6, class: "empty" },
+      page.truncated ? "none yet: many files left to open for the reward filter, press next" : "no groups match")));
+  }
   document.getElementById("page-info").textContent = page.groups.length
     ? `${offset + 1}–${offset + page.groups.length}${page.truncated ? " (more files to scan)" : ""}` : "";
   document.getElementById("prev").disabled = offset === 0;
@@ -256,13 +262,15 @@ async function showGroup(path, row) {
   document.querySelectorAll("#groups tr.selected").forEach((r) => r.classList.remove("selected"));
   if (row) row.classList.add("selected");
   const box = document.getElementById("group");
+  const asked = (state.asked = (state.asked || 0) + 1);
   let g;
   try {
     g = await api("group", { path });
   } catch (e) {
-    box.replaceChildren(el("p", { class: "error" }, e.message));
+    if (asked === state.asked) box.replaceChildren(el("p", { class: "error" }, e.message));
     return;
   }
+  if (asked !== state.asked) return;  // a later click's answer wins
   state.selected = path;
   box.replaceChildren();
   box.dataset.path = path;
