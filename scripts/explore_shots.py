@@ -1,10 +1,10 @@
 """Screenshots of the run explorer's panels for a run, from a real headless browser.
 
-    python scripts/explore_shots.py <run_dir> <out_dir> [--prefix NAME] [--wait S]
+    python scripts/explore_shots.py <run_dir> <out_dir> [--prefix NAME] [--filters 'step_min=150&kind=trained']
 
 Serves the run on a free loopback port, opens the page in Debian's chromium (through chromedriver:
-`bash scripts/install_browser.sh`), opens the first trajectory whose reward is highest on the first
-page, and writes <out_dir>/<prefix>-<panel>.png for each panel. docs/explore.md's pictures come from it;
+`bash scripts/install_browser.sh`), opens a trajectory of the first page (one whose tokens span policy versions
+if there is one, else the best rewarded), and writes <out_dir>/<prefix>-<panel>.png for each panel. docs/explore.md's pictures come from it;
 tests/test_explore_browser.py drives the browser with :func:`chrome`.
 """
 
@@ -52,7 +52,9 @@ def shoot(driver, out_dir: Path, prefix: str) -> list[Path]:
     paths = []
     for panel in PANELS:
         p = out_dir / f"{prefix}-{panel}.png"
-        driver.find_element(By.ID, panel).screenshot(str(p))
+        element = driver.find_element(By.ID, panel)
+        driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", element)
+        element.screenshot(str(p))
         paths.append(p)
     return paths
 
@@ -75,8 +77,19 @@ def main() -> None:
         driver.get(url_of(srv))
         wait(driver, lambda d: d.execute_script("return document.body.dataset.loaded === '1'"), what="page")
         wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#groups tbody tr[data-path]"), what="groups")
+        if args.filters:  # fill the trajectory filters and list again
+            first = driver.find_element(By.CSS_SELECTOR, "#groups tbody tr[data-path]").get_attribute("data-path")
+            for pair in args.filters.split("&"):
+                key, _, value = pair.partition("=")
+                driver.execute_script("document.querySelector(`#filters [name='${arguments[0]}']`).value = "
+                                      "arguments[1];", key, value)
+            driver.find_element(By.CSS_SELECTOR, "#filters button").click()
+            wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#groups tbody tr").get_attribute("data-path")
+                 != first, what="filtered groups")
         rows = driver.find_elements(By.CSS_SELECTOR, "#groups tbody tr[data-path]")
-        best = max(rows, key=lambda r: float(r.find_elements(By.TAG_NAME, "td")[4].text.replace("—", "-1")))
+        # a group whose tokens span policy versions (an interrupted generation), else the best rewarded
+        cells = [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+        best = max(zip(rows, cells), key=lambda rc: ("–" in rc[1][2], float(rc[1][4].replace("—", "-1"))))[0]
         best.click()
         wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#group .tok[data-version]"), what="tokens")
         for p in shoot(driver, args.out_dir, args.prefix):
