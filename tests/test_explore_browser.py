@@ -11,6 +11,7 @@ Needs chromium and chromium-driver: the README's test command installs them (scr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,29 @@ def test_the_static_export_opens_from_a_file(browser, restarted_run, tmp_path) -
     browser.get(out.as_uri())
     check_page(browser, restarted, "export")
     assert browser.find_element("id", "refresh").text.startswith("exported")
+
+
+def test_the_page_follows_a_live_run(browser, restarted_run, tmp_path) -> None:
+    """A copy of the run cut back to its first half (no DONE marker, half of its records): the page polls,
+    draws the records appended meanwhile, and stops polling once the run is done."""
+    run = tmp_path / "live"
+    shutil.copytree(restarted_run, run, symlinks=True)
+    (run / "DONE").unlink()
+    lines = (run / "logs" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    half = len(lines) // 2
+    (run / "logs" / "metrics.jsonl").write_text("".join(lines[:half]))
+    srv = make_server(RunView(run), "127.0.0.1", 0)
+    serve_in_thread(srv)
+    try:
+        browser.get(url_of(srv))
+        wait(browser, lambda d: d.execute_script("return document.body.dataset.loaded === '1'"), what="page")
+        points = lambda d: int(d.find_element("id", "curve-reward").get_attribute("data-points"))  # noqa: E731
+        assert points(browser) == half and browser.find_element("id", "refresh").text.startswith("live")
+        with open(run / "logs" / "metrics.jsonl", "a") as f:
+            f.write("".join(lines[half:]))
+        wait(browser, lambda d: points(d) == len(lines), timeout=20, what="the appended records drawn")
+        (run / "DONE").write_text("")
+        wait(browser, lambda d: d.find_element("id", "refresh").text == "done", timeout=20, what="polling ends")
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -191,9 +191,15 @@ function drawStaleness() {
 // ---- timeline ----------------------------------------------------------------------------------------
 function drawTimeline() {
   const div = document.getElementById("timeline");
-  const lanes = [...new Set([...state.components, ...state.events.map((e) => e.component)])];
+  // every version the trainer published: one per step record (the weights directory keeps only the last few)
+  const versions = state.rows.filter((r) => r["time/unix"] !== undefined && r.version !== undefined)
+    .map((r) => ({ time: r["time/unix"], component: "weights", kind: "publish", version: r.version,
+      text: `version ${r.version} (trained at step ${r.step})`, job_id: "" }));
+  const seen = new Set(versions.map((e) => e.version));
+  const events = state.events.filter((e) => !(e.kind === "publish" && seen.has(e.version))).concat(versions);
+  const lanes = [...new Set([...state.components, ...events.map((e) => e.component)])];
   const byKind = {};
-  for (const e of state.events) (byKind[e.kind] = byKind[e.kind] || []).push(e);
+  for (const e of events) (byKind[e.kind] = byKind[e.kind] || []).push(e);
   const traces = Object.entries(byKind).map(([kind, evs]) => {
     const [color, symbol] = EVENT_STYLE[kind] || ["#444", "circle"];
     return { type: "scatter", mode: "markers", name: `${kind} (${evs.length})`,
@@ -206,7 +212,7 @@ function drawTimeline() {
   if (prog.length) traces.push({ type: "scatter", mode: "markers", name: "trainer steps",
     x: prog.map((r) => new Date(r["time/unix"] * 1000)), y: prog.map(() => "trainer steps"),
     text: prog.map((r) => `step ${r.step}`), hoverinfo: "text+x", marker: { size: 4, color: "#999" } });
-  div.dataset.events = state.events.length;
+  div.dataset.events = events.length;
   div.dataset.lanes = lanes.length;
   Plotly.react(div, traces, {
     margin: { l: 110, r: 10, t: 10, b: 40 }, hovermode: "closest",
