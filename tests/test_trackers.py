@@ -15,6 +15,7 @@ import pytest
 
 from hpcrl.config import ConfigError, load_config
 from hpcrl.metrics.config import MetricsConfig
+from hpcrl.metrics.registry import TrackerSpec, register_tracker
 from hpcrl.metrics.trackers import TrackerContext
 from hpcrl.metrics.writer import MetricsWriter, read_metrics
 
@@ -123,11 +124,16 @@ def test_a_restarted_writer_resumes_its_tracker_runs_without_logging_a_step_twic
 
 def test_the_config_names_trackers_it_can_open(tmp_path) -> None:
     assert load_config(QUICKSTART, ["metrics.trackers=[tensorboard,wandb,mlflow]"]).metrics.trackers[1] == "wandb"
-    with pytest.raises(ConfigError, match="trackers: 'neptune' is not one of"):
+    with pytest.raises(ConfigError, match=r"trackers: must be one of \['mlflow', 'tensorboard', 'wandb'\]"):
         load_config(QUICKSTART, ["metrics.trackers=[neptune]"])
+    with pytest.raises(ConfigError, match="is a type, not the TrackerSpec"):
+        load_config(QUICKSTART, ["metrics.trackers=[test_trackers:Recorder]"])
+    register_tracker(TrackerSpec("absent", build=Recorder, package="hpcrl_no_such_package", extra="trackers"))
+    with pytest.raises(ConfigError, match=r"absent needs the hpcrl_no_such_package package: pip install -e '.\[trackers\]'"):
+        load_config(QUICKSTART, ["metrics.trackers=[absent]"])
     with pytest.raises(ConfigError, match="each at most once"):
         load_config(QUICKSTART, ["metrics.trackers=[wandb,wandb]"])
-    own = MetricsWriter(tmp_path / "logs", trackers=MetricsConfig(trackers=["test_trackers:Recorder"]))
+    own = MetricsWriter(tmp_path / "logs", trackers=MetricsConfig(trackers=["test_trackers:RECORDER"]))
     own.write({"step": 1, "x": 2})
     own.write({"step": 1, "x": 3})  # the same step again: not handed over twice
     own.close()
@@ -135,7 +141,7 @@ def test_the_config_names_trackers_it_can_open(tmp_path) -> None:
 
 
 class Recorder:
-    """A tracker of one's own, named ``module:factory`` in metrics.trackers."""
+    """A tracker of one's own: its spec (RECORDER, below) is named ``module:attr`` in metrics.trackers."""
 
     seen: list = []
 
@@ -183,6 +189,9 @@ def mlflow_eval_steps(logs: Path) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/accuracy"))
 
 
+RECORDER = TrackerSpec("recorder", build=Recorder)
+
+
 class Flaky(Recorder):
     """Fails at step 3 (a tracker server that went away)."""
 
@@ -192,20 +201,23 @@ class Flaky(Recorder):
         super().log(scalars, step)
 
 
+FLAKY = TrackerSpec("flaky", build=Flaky)
+
+
 def test_late_evaluations_failures_and_bad_marks(tmp_path, caplog) -> None:
     logs = tmp_path / "logs"
-    own = MetricsConfig(trackers=["test_trackers:Flaky"])
+    own = MetricsConfig(trackers=["test_trackers:FLAKY"])
     first = MetricsWriter(logs, trackers=own)
     for step in range(1, 6):
         first.write({"step": step, "r": step})
     first.close()  # no kill: the tracker failed at step 3 and got nothing after it in this leg
     assert Recorder.seen == [(1, {"r": 1.0}), (2, {"r": 2.0}), "closed"] and "left out" in caplog.text
-    assert json.loads((logs / "trackers" / "trainer-test_trackers_Flaky.step").read_text())["step"] == 2
-    second = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:Recorder"]))
+    assert json.loads((logs / "trackers" / "trainer-test_trackers_FLAKY.step").read_text())["step"] == 2
+    second = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:RECORDER"]))
     assert [s for s, _ in Recorder.seen] == [1, 2, 3, 4, 5]  # another name, its own mark: the whole file first
     second.close()
-    (logs / "trackers" / "trainer-test_trackers_Recorder.step").write_text("")  # a lost node's empty mark
-    third = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:Recorder"]))
+    (logs / "trackers" / "trainer-test_trackers_RECORDER.step").write_text("")  # a lost node's empty mark
+    third = MetricsWriter(logs, trackers=MetricsConfig(trackers=["test_trackers:RECORDER"]))
     assert [s for s, _ in Recorder.seen] == [1, 2, 3, 4, 5]  # replayed, not stuck
     third.write({"step": 2, "eval/accuracy": 0.5})  # a version evaluated late (resumed with eval.mode=trainer)
     third.write({"step": 4, "r": 9})  # recomputed from an older checkpoint: not again

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-BUILTIN_TRACKERS = ("tensorboard", "wandb", "mlflow")
+from hpcrl.metrics.registry import check_tracker
 
 
 @dataclass
 class MetricsConfig:
-    # tensorboard, wandb, mlflow, or "package.module:factory" (hpcrl/metrics/trackers.py); [] = the JSONL logs only.
+    # tensorboard, wandb, mlflow, or "package.module:SPEC" (a TrackerSpec, hpcrl/metrics/registry.py); [] = the JSONL
+    # logs only.
     # Written by the trainer's rank 0 and by the evaluation component, one tracker run each, resumed after a restart
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     wandb_project: str = "hpcrl"
@@ -22,15 +23,8 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         for name in self.trackers:
-            if name not in BUILTIN_TRACKERS and ":" not in name:
-                raise ValueError(f"trackers: {name!r} is not one of {', '.join(BUILTIN_TRACKERS)} nor "
-                                 "'package.module:factory'")
+            check_tracker(name)
         if len(set(self.trackers)) != len(self.trackers):
             raise ValueError(f"trackers: each at most once, got {self.trackers}")
         if self.wandb_mode not in ("offline", "online"):
             raise ValueError(f"wandb_mode: offline or online, got {self.wandb_mode!r}")
-        for name, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
-            if name in self.trackers:
-                import importlib.util
-                if importlib.util.find_spec(module) is None:
-                    raise ValueError(f"trackers: {name} needs the {module} package: pip install -e '.[trackers]'")

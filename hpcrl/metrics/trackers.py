@@ -1,8 +1,8 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow, behind one small protocol.
 
-A :class:`Tracker` takes ``log(scalars, step)`` and ``close()``; :data:`TRACKERS` maps each name of
-``metrics.trackers`` to its factory (``"package.module:factory"`` names a factory of your own with the same
-signature). :class:`~hpcrl.metrics.writer.MetricsWriter` opens them beside its JSONL file and hands each one
+A :class:`Tracker` takes ``log(scalars, step)`` and ``close()``; :data:`hpcrl.metrics.registry.TRACKERS` maps
+each name of ``metrics.trackers`` to its factory (a :class:`~hpcrl.metrics.registry.TrackerSpec` of your own,
+named ``"package.module:SPEC"``, adds one). :class:`~hpcrl.metrics.writer.MetricsWriter` opens them beside its JSONL file and hands each one
 every record of a step it has not handed over before, so that a component restarted from an older checkpoint
 does not log the steps it recomputes twice (the tracker keeps the first leg's values of those steps; the JSONL
 file has both), and a leg that was killed before a buffering tracker wrote its last records has them handed
@@ -20,18 +20,19 @@ restarted leg marks it running again).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from hpcrl import atomic
 from hpcrl.metrics.config import MetricsConfig
+from hpcrl.metrics.registry import tracker_spec
+from hpcrl.plugins import resolve
 
-__all__ = ["Tracker", "TrackerContext", "TRACKERS", "open_tracker"]
+__all__ = ["Tracker", "TrackerContext", "open_tracker"]
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +151,7 @@ class MlflowTracker:
         self._client.set_terminated(self._run_id)
 
 
-TRACKERS: dict[str, Callable[[MetricsConfig, TrackerContext], Tracker]] = {
-    "tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
-
-
-def _factory(name: str) -> Callable[[MetricsConfig, TrackerContext], Tracker]:
-    if name in TRACKERS:
-        return TRACKERS[name]
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def open_tracker(name: str, cfg: MetricsConfig, ctx: TrackerContext) -> Tracker:
-    return _factory(name)(cfg, ctx)
+    """The tracker ``name`` names (hpcrl/metrics/registry.py), opened for ``ctx``'s component."""
+    spec = tracker_spec(name)
+    return resolve(spec.build, f"metrics.trackers: {name}")(cfg, ctx)
