@@ -44,3 +44,39 @@ def restarted_run(tmp_path_factory) -> Path:
     assert proc.returncode == 0, err[-3000:]
     assert '"action": "restart"' in (run / "jobs" / "events.jsonl").read_text()
     return run
+
+
+@pytest.fixture(scope="session")
+def agent_run(tmp_path_factory) -> Path:
+    """``configs/agent_feedback.yaml`` made small (30 steps, no warm start), whose rollout job was SIGKILLed after
+    step 8 while its episodes were mid-conversation and resubmitted by the watchdog. Looked at by the agent
+    end-to-end test and the run explorer's browser test (an episode's masked feedback turn)."""
+    import json
+
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from hpcrl.metrics.writer import read_metrics
+
+    base = tmp_path_factory.mktemp("agent")
+    run, cache = base / "run", base / "cache"
+    args = [f"run_dir={run}", f"model.cache_dir={cache}/models", f"data.synthetic_dir={cache}/data",
+            "model.tiny_hidden_size=32", "model.tiny_layers=2", "data.n_train=2000", "data.n_eval=40",
+            "sft.enabled=false", "admission.batch_size=4", "rollout.group_size=4", "rollout.max_batch_size=16",
+            "rollout.max_new_tokens=4", "trainer.total_steps=30", "eval.every_steps=10", "eval.size=40",
+            "ckpt.every_steps=5", "watchdog.backoff_s=0.5", "launch.progress_interval_s=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/agent_feedback.yaml"),
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        metrics, deadline = run / "logs" / "metrics.jsonl", time.time() + 240
+        while not (metrics.exists() and any(r.get("step", 0) >= 8 for r in read_metrics(metrics))):
+            assert proc.poll() is None and time.time() < deadline, "the agent run did not reach step 8"
+            time.sleep(0.2)
+        rollout = json.loads((run / "jobs" / "registry.json").read_text())["rollout-0"]
+        os.killpg(int(rollout["job_id"]), signal.SIGKILL)  # episodes are mid-conversation at any moment here
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    return run

@@ -258,6 +258,27 @@ def test_unreadable_files_are_opened_once_for_the_reward_filter(run, monkeypatch
     assert found == [21]  # reached: each junk file cost one open, once
 
 
+def test_the_reason_filter_opens_each_reason_file_once_and_pages(run, monkeypatch) -> None:
+    import hpcrl.explore.reader as reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_PER_QUERY", 2)
+    for k in range(5):  # set aside for another reason, ahead of the stale group (ticket 20)
+        name = f"g00000000{k}_v000000-000000_r9-e1n1.h5"
+        (run / "spool" / "dropped" / name).write_bytes(b"junk")
+        (run / "spool" / "dropped" / (name + ".reason.json")).write_text(json.dumps({"reason": "forged epoch"}))
+    view, offset, found, opened = RunView(run), 0, [], []
+    real = view.reason
+    monkeypatch.setattr(view, "reason", lambda rel: opened.append(rel) or real(rel))
+    for _ in range(8):
+        page = view.groups(GroupQuery(kind="dropped", reason="stale", offset=offset))
+        found += [g["ticket"] for g in page["groups"]]
+        assert len(set(opened)) == len(opened) and len(opened) <= 2 * (_ + 1)  # at most 2 new files a page
+        if not page["truncated"]:
+            break
+        offset = page["next_offset"]
+    assert found == [20] and len(opened) == 6
+
+
 def test_the_export_of_a_live_run_skips_a_group_moved_meanwhile(run, tmp_path, monkeypatch) -> None:
     view = RunView(run)
     real = view.group

@@ -1,9 +1,9 @@
 """The run explorer's page in a real headless browser (Debian's chromium through chromedriver) on real runs:
-a finished quickstart run and one whose trainer was killed and restarted by the watchdog (``restarted_run``,
-tests/conftest.py).
+a finished quickstart run, one whose trainer was killed and restarted by the watchdog (``restarted_run``,
+tests/conftest.py), and an agent run whose rollout was killed mid-conversation (``agent_run``).
 
 Every panel must have drawn data, the restart must be marked on the curves and the timeline, and the tokens
-of an opened trajectory must carry the versions its spool file holds. The static export must do the same
+of an opened trajectory must carry the versions its spool file holds; an agent episode's masked turn is grey. The static export must do the same
 from a file:// URL. Screenshots of each panel go to test-artifacts/explore/ (docs/explore.md shows them).
 Needs chromium and chromium-driver: the README's test command installs them (scripts/install_browser.sh).
 """
@@ -161,6 +161,55 @@ def test_the_page_follows_a_live_run(browser, restarted_run, tmp_path) -> None:
         wait(browser, lambda d: points(d) == len(lines), timeout=20, what="the appended records drawn")
         (run / "DONE").write_text("")
         wait(browser, lambda d: d.find_element("id", "refresh").text == "done", timeout=20, what="polling ends")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_an_agent_episode_shows_what_was_trained_and_what_was_masked(browser, agent_run) -> None:
+    """The agent run of tests/conftest.py (its rollout killed and resubmitted): a two-turn episode opened from the
+    trajectories panel shows the feedback turn the loss masked in grey and the model's turns in version colours,
+    token for token as the spool file holds them; the timeline has each rollout job's start and the restart."""
+    from selenium.webdriver.common.by import By
+    spool = agent_run / "spool"
+    path, group = next((p, g) for p in sorted(spool.glob("trained/*/*.h5")) if (g := read_group(p))
+                       and any(len(s.response_ids) and not s.loss_mask.all() for s in g.samples))
+    step = int(path.parent.name.removeprefix("step_"))
+    srv = make_server(RunView(agent_run), "127.0.0.1", 0)
+    serve_in_thread(srv)
+    try:
+        browser.get(url_of(srv))
+        wait(browser, lambda d: d.execute_script("return document.body.dataset.loaded === '1'"), what="page")
+        kinds = browser.execute_script("return document.getElementById('timeline').data.map((t) => t.name)")
+        assert any(k.startswith("restart") for k in kinds) and any(k.startswith("start") for k in kinds), kinds
+        starts = browser.execute_script("return document.getElementById('timeline').data"
+                                        ".find((t) => t.name.startsWith('start')).text")
+        assert sum("rollout-0 start" in t for t in starts) == 2, starts  # the first job and the resubmitted one
+        for name, value in (("step_min", step), ("step_max", step)):
+            field = browser.find_element(By.CSS_SELECTOR, f"#filters [name={name}]")
+            field.clear()
+            field.send_keys(str(value))
+        browser.find_element(By.CSS_SELECTOR, "#filters button[type=submit]").click()
+        rel = str(path.relative_to(spool))
+        row = f"#groups tbody tr[data-path='{rel}']"
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row), what="the episode's group listed")
+        browser.find_element(By.CSS_SELECTOR, row).click()
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#group .sample .tok[data-version]"), what="tokens")
+        grey = None
+        for i, sample in enumerate(group.samples):
+            toks = browser.find_elements(By.CSS_SELECTOR, f"#group .sample[data-sample='{i}'] .tok")
+            assert [t.get_attribute("data-trained") == "1" for t in toks] == [bool(m) for m in sample.loss_mask]
+            assert [int(t.get_attribute("data-version")) for t in toks] == sample.versions.tolist()
+            for t, trained in zip(toks, sample.loss_mask):
+                colour = t.value_of_css_property("background-color")
+                if not trained:
+                    assert grey in (None, colour)  # every masked token the same grey
+                    grey = colour
+        assert grey is not None
+        trained = browser.find_elements(By.CSS_SELECTOR, "#group .tok[data-trained='1']")
+        assert grey not in {t.value_of_css_property("background-color") for t in trained}
+        assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        SHOTS.shoot(browser, ARTIFACTS, "agent")
     finally:
         srv.shutdown()
         srv.server_close()

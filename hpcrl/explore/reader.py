@@ -31,7 +31,7 @@ KINDS = ("trained", "ready", "claimed", "dropped", "quarantine")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 _AGAIN_RE = re.compile(r"^again-(\d+)$")
 MAX_PAGE = 500  # groups per listing page
-MAX_OPEN_PER_QUERY = 2000  # files opened to filter one page by reward
+MAX_OPEN_PER_QUERY = 2000  # files opened (groups for their reward, reason files) to filter one page
 
 
 class _Tail:
@@ -99,6 +99,7 @@ class RunView:
         self._tails: dict[str, _Tail] = {}
         self._listings: dict[Path, tuple[int, list[dict]]] = {}
         self._rewards: dict[str, float | None] = {}
+        self._reasons: dict[str, str] = {}  # path -> set-aside reason ("" when none)
         self._tokenizer: Any = None
         self.config = _load_yaml(self.root / "config.yaml")
 
@@ -248,13 +249,14 @@ class RunView:
                 continue
             if q.replica is not None and r["writer"].split("-")[0] != q.replica:
                 continue
+            fresh = (q.reason is not None and r["path"] not in self._reasons) + \
+                (by_reward and r["path"] not in self._rewards)
+            if fresh and opened >= MAX_OPEN_PER_QUERY:  # files still to open: the next page goes on from here
+                return {"groups": self._with_rewards(rows), "next_offset": q.offset + len(rows), "truncated": True}
+            opened += fresh
             if q.reason is not None and q.reason.lower() not in self._reason_text(r["path"]).lower():
                 continue
             if by_reward:
-                if opened >= MAX_OPEN_PER_QUERY:
-                    return {"groups": self._with_rewards(rows), "next_offset": q.offset + len(rows),
-                            "truncated": True}
-                opened += r["path"] not in self._rewards
                 reward = self.mean_reward(r["path"])
                 if reward is None or (q.reward_min is not None and reward < q.reward_min) or \
                         (q.reward_max is not None and reward > q.reward_max):
@@ -273,8 +275,15 @@ class RunView:
         return [r if "reward_mean" in r else {**r, "reward_mean": self.mean_reward(r["path"])} for r in rows]
 
     def _reason_text(self, rel: str) -> str:
+        """The set-aside reason of a group (cached: a reason file is written once, with its group)."""
+        with self._lock:
+            if rel in self._reasons:
+                return self._reasons[rel]
         reason = self.reason(rel)
-        return str(reason.get("reason", "")) if reason else ""
+        text = str(reason.get("reason", "")) if reason else ""
+        with self._lock:
+            self._reasons[rel] = text
+        return text
 
     def reason(self, rel: str) -> dict | None:
         p = self.resolve(rel)

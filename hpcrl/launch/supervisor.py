@@ -227,8 +227,10 @@ def _submit_all(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict,
     for batch in [[s] for s in specs if s not in rollouts] + ([rollouts] if rollouts else []):
         for spec, job_id in zip(batch, scheduler.submit_array([_stamp(s, owner) for s in batch])):
             jobs[spec.name] = (job_id, spec)
-            log.info("started %s (%s %s), log %s", spec.name, scheduler_spec(cfg.launch.scheduler).job_word,
-                     job_id, spec.log_path)
+            word = scheduler_spec(cfg.launch.scheduler).job_word
+            log.info("started %s (%s %s), log %s", spec.name, word, job_id, spec.log_path)
+            _event(run_dir / "jobs" / "events.jsonl", spec.name, job_id,
+                   Decision("start", f"submitted as {word} {job_id} (owner epoch {owner.epoch})"))
         _write_registry(cfg, run_dir, jobs)
 
 
@@ -356,6 +358,7 @@ def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchd
         jobs[n] = (scheduler.submit(_stamp(fresh[n], owner)), fresh[n])
         watchdog.started(n)
         log.info("watchdog: resubmitted %s as %s", n, jobs[n][0])
+        _event(events, n, jobs[n][0], Decision("start", f"resubmitted as {jobs[n][0]} after: {decision.reason}"))
     _write_registry(cfg, run_dir, jobs)
 
 

@@ -30,8 +30,9 @@ from hpcrl.watchdog.config import WatchdogConfig
 @dataclass
 class Decision:
     # stop: the whole run stops (preemption, walltime, cancel); scale: the supervisor started, drained or retired a
-    # rollout replica (hpcrl.launch.fleet)
-    action: Literal["ok", "restart", "fail", "stop", "scale"]
+    # rollout replica (hpcrl.launch.fleet); start: the supervisor submitted a component's job (its first start, or
+    # the new job after a restart: jobs/events.jsonl only, never the watchdog's decision)
+    action: Literal["ok", "restart", "fail", "stop", "scale", "start"]
     reason: str = ""
     delay_s: float = 0.0
     hung: bool = False  # the process may still be alive: cancel it before resubmitting
