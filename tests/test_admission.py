@@ -40,6 +40,44 @@ def test_dropped_groups_free_their_slot(tmp_path) -> None:
     assert led.dropped() == {2: "quarantined"}
 
 
+def test_the_drop_count_is_one_read_lags_a_cut_record_and_is_recounted_at_the_trainers_start(
+        tmp_path, monkeypatch) -> None:
+    """The bound reads dropped.count instead of listing dropped/ (flat in the run's length); a record whose count
+    a crash cut off leaves the count behind (a tighter bound), never ahead, until the next start recounts."""
+    import os
+
+    led = ledger(tmp_path, b=4, eta=0, rows=100)
+    admit_all(led, 0)
+    for n in (0, 1):
+        led.record_drop(n, "uniform")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d=".": (_ for _ in ()).throw(AssertionError(d))
+                        if str(d).endswith("dropped") else real(d))
+    assert led.num_dropped() == 2 and admit_all(led, 0) == [4, 5]  # no listing of dropped/ on the way
+    monkeypatch.setattr(os, "listdir", real)
+    (led.dropped_dir / f"t{2:09d}").write_text("{}")  # a record whose count update a crash cut off
+    assert led.num_dropped() == 2 and led.count_drop_records() == 3
+    assert ledger(tmp_path, b=4, eta=0, rows=100).sync_drop_count() == 3  # the trainer's next start
+    assert led.num_dropped() == 3
+    (led.root / "dropped.count").unlink()  # a ledger from before the count file: listed
+    assert led.num_dropped() == 3
+
+
+def test_the_ticket_count_gallops_past_other_writers_tickets(tmp_path) -> None:
+    """num_created finds the first missing ticket in O(log gap) lookups, not one per ticket created since."""
+    a, b = ledger(tmp_path, b=1000, eta=0, rows=5000), ledger(tmp_path, b=1000, eta=0, rows=5000)
+    assert len(admit_all(b, 0, "wb")) == 1000
+    probes = []
+    real = a._exists
+    a._exists = lambda i: probes.append(i) or real(i)
+    assert a.num_created() == 1000 and len(probes) <= 2 * 10 + 2, len(probes)
+    assert a.try_admit(1, "wa").index == 1000 and b.try_admit(1, "wb").index == 1001
+    for gap in (0, 1, 2, 3, 7, 64):  # a's cursor is behind by gap tickets
+        for _ in range(gap):
+            b.try_admit(1, "wb")
+        assert a.num_created() == b.num_created() == b.num_admitted()
+
+
 def test_ticket_to_row_is_a_reproducible_permutation_per_epoch(tmp_path) -> None:
     led = ledger(tmp_path, rows=10, seed=3)
     epoch0 = [led.ticket(i).row for i in range(10)]

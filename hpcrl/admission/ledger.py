@@ -43,10 +43,13 @@ Lifecycle and ordering rules (design.md §3.2):
 * ``meta.json`` records the dataset size, seed and offset, so tools (the audit) map
   tickets to dataset positions without the dataset.
 
-Cost: ``try_admit`` lists ``reissue/`` and ``dropped/`` on every call (the
-counters are files, so they are never cached: a cached count could miss a
-drop and stall the bound), with ``os.listdir`` rather than ``Path`` objects,
-and finds ``created`` by probing forward from the last ticket it saw.
+Cost, flat in the run's length (``scripts/bench_fs.py``): ``try_admit``
+reads ``dropped.count`` and lists ``reissue/`` on every call (never cached in
+the process: a cached count could miss a drop and stall the bound), and
+finds ``created`` by galloping forward from the last ticket it saw (O(log
+gap) lookups). ``dropped.count`` is rewritten by the one process that records
+drops (the trainer) after each record it creates and recounted at its start,
+so it can lag the records after a crash, never lead them.
 Retention: :meth:`compact_reissues` folds taken reissue files of finished
 tickets into ``reissue.jsonl``, so ``reissue/`` holds only live ones.
 """
@@ -59,6 +62,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -67,6 +71,7 @@ from hpcrl.admission.config import AdmissionConfig
 from hpcrl.runtime.owner import Fence, NoFence
 
 log = logging.getLogger(__name__)
+DROP_COUNT = "dropped.count"  # the number of drop records, for the bound (num_dropped)
 
 
 def create_exclusive(path: Path, record: dict) -> bool:
@@ -116,6 +121,7 @@ class AdmissionLedger:
         for d in (self.tickets_dir, self.dropped_dir, self.reissue_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
+        self._drops: int | None = None  # drop records, as this process last counted them (record_drop)
         self._perms: dict[int, np.ndarray] = {}
         self.fence = fence or NoFence()
         meta = self.root / "meta.json"
@@ -134,11 +140,25 @@ class AdmissionLedger:
         return ((version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped()
                 + len(self.pending_reissues()))
 
+    def _exists(self, index: int) -> bool:
+        return os.path.exists(self.tickets_dir / f"t{index:09d}")
+
     def num_created(self) -> int:
-        """Tickets created so far (they are contiguous from 0): probe forward from the last one seen."""
-        while os.path.exists(self.tickets_dir / f"t{self._cursor:09d}"):
-            self._cursor += 1
-        return self._cursor
+        """Tickets created so far. They are contiguous from 0 (ticket k+1 is created only by a writer that saw
+        ticket k exist), so the first missing one is found by galloping forward from the last one seen and
+        bisecting: O(log gap) lookups instead of one per ticket the other writers created meanwhile."""
+        lo = self._cursor  # every ticket below lo exists
+        if not self._exists(lo):
+            return lo
+        step = 1
+        while self._exists(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step  # ticket lo exists, ticket hi did not when probed
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._exists(mid) else (lo, mid)
+        self._cursor = hi
+        return hi
 
     def try_admit(self, version: int, writer: str) -> Ticket | None:
         """A reissued ticket if any, else the next new ticket, if the bound allows one; else None."""
@@ -236,7 +256,34 @@ class AdmissionLedger:
         return sum(1 for n in os.listdir(self.tickets_dir) if n.startswith("t"))
 
     def num_dropped(self) -> int:
-        return sum(1 for n in os.listdir(self.dropped_dir) if n.startswith("t"))
+        """Drop records so far, as the bound counts them: ``dropped.count`` (one small read, whatever the run's
+        length), which the one process recording drops (the trainer) rewrites after each record it creates.
+        It may lag the records by the ones a crash cut off (never ahead: records are never removed), which only
+        tightens the bound until the trainer's next start recounts (:meth:`sync_drop_count`). A ledger from
+        before the count file is counted by listing ``dropped/``."""
+        try:
+            with open(self.root / DROP_COUNT) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            return self.count_drop_records()
+
+    def count_drop_records(self) -> int:
+        """The drop records in ``dropped/``, listed (O(drops)): for a start and for tools, not per ticket."""
+        return sum(1 for n in os.listdir(self.dropped_dir) if n.startswith("t") and n[1:].isdigit())
+
+    def sync_drop_count(self) -> int:
+        """Count the drop records and write ``dropped.count``: the trainer's rank 0 at every start (its count
+        then follows its own records)."""
+        self.fence.check("drop count")
+        self._drops = self.count_drop_records()
+        self._write_drop_count()
+        return self._drops
+
+    def _write_drop_count(self) -> None:
+        tmp = self.root / f"{DROP_COUNT}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(str(self._drops))
+        os.replace(tmp, self.root / DROP_COUNT)
 
     def record_drop(self, index: int, reason: str) -> bool:
         """Record that ticket ``index`` will never be trained (idempotent); False (and nothing recorded)
@@ -245,14 +292,22 @@ class AdmissionLedger:
         if not self.admitted(index):
             log.warning("not recording a drop for ticket %d: it was never admitted (%s)", index, reason)
             return False
-        return create_exclusive(self.dropped_dir / f"t{index:09d}", self._record(reason=reason))
+        if not create_exclusive(self.dropped_dir / f"t{index:09d}", self._record(reason=reason)):
+            return False
+        if self._drops is None:  # the first record of this process: count what earlier processes recorded
+            self._drops = self.count_drop_records()
+        else:
+            self._drops += 1
+        self._write_drop_count()  # after the record: the count never runs ahead of the records
+        return True
 
-    def compact_reissues(self, finished: set[int]) -> int:
-        """Fold taken reissue files of ``finished`` tickets (trained or dropped) into ``reissue.jsonl``;
-        returns how many. Pending reissues and those of unfinished tickets stay: they name holders."""
+    def compact_reissues(self, finished: Callable[[int], bool]) -> int:
+        """Fold taken reissue files of finished tickets (trained or dropped: ``finished(ticket)``) into
+        ``reissue.jsonl``; returns how many. Pending reissues and those of unfinished tickets stay: they name
+        holders. Costs a listing of ``reissue/`` and one check per taken file, not per ticket of the run."""
         self.fence.check("reissue compaction")
         done = [n for n in os.listdir(self.reissue_dir)
-                if ".taken-" in n and n[1:10].isdigit() and int(n[1:10]) in finished]
+                if ".taken-" in n and n[1:10].isdigit() and finished(int(n[1:10]))]
         if not done:
             return 0
         with open(self.root / "reissue.jsonl", "a") as f:

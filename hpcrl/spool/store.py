@@ -103,6 +103,7 @@ class Spool:
         for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.trained_dir,
                   self.dropped_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
@@ -149,16 +150,21 @@ class Spool:
         return removed
 
     def prune_set_aside(self, keep: int) -> int:
-        """Delete the data of all but the newest ``keep`` files in dropped/ (their reason records stay:
-        ticket, writer, why); returns how many were deleted."""
+        """Delete the data of all but the ``keep`` most recently dropped files in dropped/ (their reason records
+        stay: ticket, writer, why); returns how many were deleted. The first call lists dropped/ (oldest first
+        by modification time); later ones follow the drops this process made, so a call costs what was dropped
+        since the last one, not the run's length."""
         self.fence.check("spool pruning")
-        files = [p for p in self.dropped_dir.rglob("*.h5") if parse_name(p.name) is not None]
+        if self._dropped_data is None:
+            files = [p for p in self.dropped_dir.rglob("*.h5") if parse_name(p.name) is not None]
+            self._dropped_data = sorted(files, key=lambda p: p.stat().st_mtime)
+        files = self._dropped_data
         if len(files) <= keep:
             return 0
-        files.sort(key=lambda p: p.stat().st_mtime)
-        for p in files[: len(files) - keep]:
+        old, self._dropped_data = files[: len(files) - keep], files[len(files) - keep:]
+        for p in old:
             p.unlink(missing_ok=True)
-        return len(files) - keep
+        return len(old)
 
     # -- listing ------------------------------------------------------------
     @staticmethod
@@ -303,6 +309,8 @@ class Spool:
         write_json(dst.parent / (entry.name + REASON_SUFFIX), record)
         _rename_noreplace(entry.path, dst)
         fsync_dir(dst.parent)
+        if directory == self.dropped_dir and self._dropped_data is not None:
+            self._dropped_data.append(dst)  # followed for prune_set_aside
 
     def release(self, entries: list[SpoolEntry]) -> int:
         """Move the given claimed ``entries`` back to ready/; returns the count moved."""
