@@ -102,7 +102,7 @@ def writer_main(root: Path, idx: int, args: dict, stop_at: float, out: Path) -> 
         return won
 
     ledger_mod.create_exclusive = counted_create
-    cfg = AdmissionConfig(batch_size=args["batch"], max_staleness=args["eta"])
+    cfg = AdmissionConfig(batch_size=args["batch"], max_staleness=args["eta"], recheck_s=args["recheck"])
     ledger = AdmissionLedger(root / "admission", cfg, NUM_ROWS, seed=0)
     spool, writer = Spool(root / "spool"), f"r{idx}-e1n{idx + 1}"
     maker = GroupMaker(idx, args["group_size"], tuple(args["tokens"]))
@@ -169,8 +169,9 @@ def trainer_main(root: Path, args: dict, stop_at: float, out: Path) -> None:
         claimed = time.time()
         feed.commit(version)
         version += 1
-        _write_version(root, version)
         cost = time.perf_counter() - t0 - slept[0]
+        time.sleep(args["step_s"])  # the training step the protocol stands beside
+        _write_version(root, version)
         latency += [claimed - g.created for g in groups]
         ready_to_claim.append(claimed - max(g.created for g in groups))
         steps.append({"step": version, "protocol_s": cost, "polls": polls[0], "trained": len(feed.trained),
@@ -308,11 +309,14 @@ def classify(trace: Path) -> Counter:
         if not started:
             started = MARK in rest
             continue
-        if "/dev/" in rest or "/proc/" in rest or ".py" in rest or "site-packages" in rest:
-            continue  # not the protocol's files
+        if any(x in rest for x in ("/dev/", "/proc/", ".py", "site-packages", "AT_EMPTY_PATH")) or \
+                re.search(r'/(version|writer\d+\.json|trainer\.json)(\.tmp[.\d]*)?"', rest):
+            continue  # not the protocol's files (fstat of an open descriptor, the bench's own files)
         for name, test in CLASSES:
             if test(call, rest):
                 counts[name] += 1
+                if name == "listdir":  # which directory: the trainer's polls list ready/
+                    counts[f"listdir {rest.split(chr(34))[1].rstrip('/').rsplit('/', 1)[-1]}/"] += 1
                 break
     return counts
 
@@ -325,7 +329,8 @@ def ops(base: Path, args: dict) -> dict:
            "trace=%file,fsync,fdatasync,getdents64", sys.executable, __file__, "--_ops-child", str(root),
            "--writers", str(args["ops_writers"]), "--seconds", str(args["seconds"]), "--rate", str(args["rate"]),
            "--batch", str(args["batch"]), "--eta", str(args["eta"]), "--drop-share", str(args["drop_share"]),
-           "--tokens", f"{args['tokens'][0]},{args['tokens'][1]}", "--ckpt-every", str(args["ckpt_every"])]
+           "--tokens", f"{args['tokens'][0]},{args['tokens'][1]}", "--ckpt-every", str(args["ckpt_every"]),
+           "--step-s", str(args["step_s"]), "--recheck", str(args["recheck"])]
     subprocess.run(cmd, check=True)
     t = json.loads((root / "trainer.json").read_text())
     ws = [json.loads(p.read_text()) for p in sorted(root.glob("writer*.json"))]
@@ -335,13 +340,21 @@ def ops(base: Path, args: dict) -> dict:
     for w in ws:
         per_w += classify(Path(f"{base / 'trace'}.{w['pid']}"))
     per_t = classify(Path(f"{base / 'trace'}.{t['pid']}"))
-    out = {"writers": len(ws), "groups_published": groups_w, "groups_taken": groups_t,
+    polls = sum(x["polls"] for x in t["steps"])
+    seconds = t["steps"][-1]["time"] - t["steps"][0]["time"] if len(t["steps"]) > 1 else 0.0
+    out = {"writers": len(ws), "groups_published": groups_w, "groups_taken": groups_t, "trainer_polls": polls,
+           "trainer_polls_per_s": polls / seconds if seconds else None, "seconds": seconds,
+           "writer_refusals_per_s": sum(w["refused"] for w in ws) / len(ws) / seconds if seconds else None,
+           "per_writer_per_s": {k: v / len(ws) / seconds for k, v in sorted(per_w.items())} if seconds else None,
            "per_group_writer": {k: v / max(1, groups_w) for k, v in sorted(per_w.items())},
            "per_group_trainer": {k: v / max(1, groups_t) for k, v in sorted(per_t.items())},
            "steps": len(t["steps"]), "checkpoints": len(t["retention"])}
     for side in ("writer", "trainer"):
         row = out[f"per_group_{side}"]
         print(f"{side} per group: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    if out["per_writer_per_s"]:
+        print(f"each writer, per second ({out['writer_refusals_per_s']:.0f} refusals/s): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in out["per_writer_per_s"].items()), flush=True)
     return {"ops": out}
 
 
@@ -356,6 +369,8 @@ def main() -> None:
     ap.add_argument("--eta", type=int, default=4, help="admission.max_staleness")
     ap.add_argument("--drop-share", type=float, default=0.25, help="share of groups dropped as uniform")
     ap.add_argument("--ckpt-every", type=int, default=50, help="steps between retention passes")
+    ap.add_argument("--step-s", type=float, default=0.0, help="the trainer's training time per step (a sleep)")
+    ap.add_argument("--recheck", type=float, default=0.0, help="admission.recheck_s of the writers")
     ap.add_argument("--length", type=int, default=0, help="run length: groups to train (small files)")
     ap.add_argument("--length-writers", type=int, default=4)
     ap.add_argument("--ops", action="store_true", help="count metadata operations per group under strace")
@@ -367,7 +382,8 @@ def main() -> None:
     args = {"writer_counts": [int(x) for x in a.writers.split(",")], "seconds": a.seconds, "rate": a.rate,
             "tokens": [int(x) for x in a.tokens.split(",")], "group_size": a.group_size, "batch": a.batch,
             "eta": a.eta, "drop_share": a.drop_share, "ckpt_every": a.ckpt_every, "length": a.length,
-            "length_writers": a.length_writers, "ops_writers": a.ops_writers, "limit": 0}
+            "length_writers": a.length_writers, "ops_writers": a.ops_writers, "limit": 0, "step_s": a.step_s,
+            "recheck": a.recheck}
     if a._ops_child:  # the run strace follows
         run_once(Path(a._ops_child), args["writer_counts"][0], args, a.seconds)
         return

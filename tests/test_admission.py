@@ -78,6 +78,23 @@ def test_the_ticket_count_gallops_past_other_writers_tickets(tmp_path) -> None:
         assert a.num_created() == b.num_created() == b.num_admitted()
 
 
+def test_a_refused_rollout_asks_the_filesystem_again_only_after_recheck_s(tmp_path, monkeypatch) -> None:
+    led = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=2, max_staleness=0, recheck_s=0.3), 10)
+    assert admit_all(led, 0) == [0, 1]
+    looks = []
+    real = led.pending_reissues
+    led.pending_reissues = lambda: looks.append(1) or real()
+    assert [led.try_admit(0, "w") for _ in range(50)] == [None] * 50 and looks == []  # refused a moment ago
+    led.record_drop(0, "uniform")
+    assert led.try_admit(1, "w").index == 2 and len(looks) == 1  # new weights: asked at once
+    assert admit_all(led, 1) == [3, 4] and len(looks) == 4  # (1 + 1) x 2 + 1 dropped = 5 tickets, then refused
+    assert led.try_admit(1, "w") is None and len(looks) == 4
+    led.record_drop(1, "uniform")
+    assert led.try_admit(1, "w") is None and len(looks) == 4  # the freed slot waits for the recheck
+    monkeypatch.setattr("time.monotonic", lambda: 1e12)  # recheck_s later
+    assert led.try_admit(1, "w").index == 5 and len(looks) == 5
+
+
 def test_ticket_to_row_is_a_reproducible_permutation_per_epoch(tmp_path) -> None:
     led = ledger(tmp_path, rows=10, seed=3)
     epoch0 = [led.ticket(i).row for i in range(10)]

@@ -122,6 +122,7 @@ class AdmissionLedger:
             d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
         self._drops: int | None = None  # drop records, as this process last counted them (record_drop)
+        self._refused: tuple[int, float] | None = None  # (version, monotonic time) of the last refusal at the bound
         self._perms: dict[int, np.ndarray] = {}
         self.fence = fence or NoFence()
         meta = self.root / "meta.json"
@@ -135,10 +136,11 @@ class AdmissionLedger:
         return {**fields, "epoch": self.fence.epoch}
 
     # -- the bound -------------------------------------------------------
-    def limit(self, version: int) -> int:
-        """``created`` may grow up to this while generating with ``version`` (see the bound above)."""
-        return ((version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped()
-                + len(self.pending_reissues()))
+    def limit(self, version: int, pending: list[int] | None = None) -> int:
+        """``created`` may grow up to this while generating with ``version`` (see the bound above);
+        ``pending``: the waiting reissues, if the caller listed them already."""
+        pending = self.pending_reissues() if pending is None else pending
+        return (version + self.cfg.max_staleness + 1) * self.cfg.batch_size + self.num_dropped() + len(pending)
 
     def _exists(self, index: int) -> bool:
         return os.path.exists(self.tickets_dir / f"t{index:09d}")
@@ -161,12 +163,19 @@ class AdmissionLedger:
         return hi
 
     def try_admit(self, version: int, writer: str) -> Ticket | None:
-        """A reissued ticket if any, else the next new ticket, if the bound allows one; else None."""
+        """A reissued ticket if any, else the next new ticket, if the bound allows one; else None. After a
+        refusal, asking again at the same version within ``admission.recheck_s`` is refused without a look."""
+        if self._refused is not None and self._refused[0] == version and \
+                time.monotonic() - self._refused[1] < self.cfg.recheck_s:
+            return None  # refused at this version a moment ago: the filesystem is not asked again yet
         self.fence.check("admission")
-        limit = self.limit(version)
+        pending = self.pending_reissues()  # listed once: for the bound and for taking one
+        limit = self.limit(version, pending)
         if self.num_created() >= limit:
+            self._refused = (version, time.monotonic())
             return None
-        reissued = self._take_reissued(writer)
+        self._refused = None
+        reissued = self._take_reissued(writer, pending)
         if reissued is not None:
             return reissued
         while self._cursor < limit:
@@ -232,8 +241,8 @@ class AdmissionLedger:
             self.reissue(n, f"rollout {writer} died holding it")
         return lost
 
-    def _take_reissued(self, writer: str) -> Ticket | None:
-        for index in self.pending_reissues():
+    def _take_reissued(self, writer: str, pending: list[int]) -> Ticket | None:
+        for index in pending:
             src = self.reissue_dir / f"t{index:09d}"
             try:
                 os.rename(src, self.reissue_dir / f"t{index:09d}.taken-{writer}-{time.time_ns()}")

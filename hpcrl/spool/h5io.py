@@ -75,7 +75,10 @@ def _utf8_type(nbytes: int) -> h5t.TypeID:
 
 def encode(attrs: Mapping[str, int | str], datasets: Mapping[str, np.ndarray]) -> bytes:
     """The bytes of an HDF5 file holding scalar ``attrs`` (int64 or UTF-8) and 1-D ``datasets``."""
-    name = f"spool-image-{os.getpid()}-{next(_image_ids)}".encode()  # unique: HDF5 tracks open names
+    # unique (HDF5 tracks open names), and under /dev/null/, where nothing can exist: the core driver probes the
+    # name with open(2), and a relative name would cost a lookup in the working directory (often on the shared
+    # filesystem, hence its metadata server) for every file written
+    name = f"/dev/null/spool-image-{os.getpid()}-{next(_image_ids)}".encode()
     fid = h5f.create(name, h5f.ACC_TRUNC, fapl=_core_fapl())
     try:
         for key, value in attrs.items():
