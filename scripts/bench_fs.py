@@ -91,8 +91,9 @@ def read_version(root: Path) -> int:
         return 0
 
 
-def writer_main(root: Path, idx: int, args: dict, stop_at: float, out: Path) -> None:
-    """One rollout stand-in: admit, 'generate' (pace to the rate), publish; until stop_at or no tickets."""
+def writer_main(root: Path, idx: int, args: dict, go, out: Path) -> None:
+    """One rollout stand-in: admit, 'generate' (pace to the rate), publish; for the run's seconds (counted from
+    the moment every process is ready) or its share of the tickets."""
     lost = [0]
     real_create = ledger_mod.create_exclusive
 
@@ -109,6 +110,7 @@ def writer_main(root: Path, idx: int, args: dict, stop_at: float, out: Path) -> 
     admit_s, publish_s, tickets, refused = [], [], [], 0
     period = 1.0 / args["rate"] if args["rate"] > 0 else 0.0
     version, seen = 0, 0.0
+    stop_at = started(go, args["seconds"])
     os.path.exists(MARK)  # the start marker: strace counts this process's calls from here
     next_at = time.monotonic()
     while time.time() < stop_at and (args["limit"] <= 0 or len(tickets) < args["limit"]):
@@ -136,7 +138,15 @@ def writer_main(root: Path, idx: int, args: dict, stop_at: float, out: Path) -> 
                      "refused": refused, "lost_races": lost[0]})
 
 
-def trainer_main(root: Path, args: dict, stop_at: float, out: Path) -> None:
+def started(go, seconds: float) -> float:
+    """Say this process is ready, wait for all the others; the time to stop at."""
+    ready, start = go
+    ready.release()
+    start.wait()
+    return time.time() + seconds
+
+
+def trainer_main(root: Path, args: dict, go, out: Path) -> None:
     """The trainer stand-in: BatchFeed batches, commit, version + 1, retention every ckpt_every steps."""
     cfg = AdmissionConfig(batch_size=args["batch"], max_staleness=args["eta"])
     ledger = AdmissionLedger(root / "admission", cfg, NUM_ROWS, seed=0)
@@ -145,6 +155,7 @@ def trainer_main(root: Path, args: dict, stop_at: float, out: Path) -> None:
     keep = (lambda g: (g.ticket * 2654435761 % 1000) >= share * 1000) if share > 0 else None
     feed = BatchFeed(spool, ledger, args["batch"], args["eta"], timeout_s=max(60.0, args["seconds"]),
                      poll_s=0.002, keep=keep)
+    ledger.sync_drop_count()  # as the trainer does at its start
     steps, latency, ready_to_claim, retention, slept, polls = [], [], [], [], [0.0], [0]
 
     def wait() -> None:  # the feed found too few groups: sleep one poll interval (the trainer's: 10 ms)
@@ -153,6 +164,7 @@ def trainer_main(root: Path, args: dict, stop_at: float, out: Path) -> None:
         slept[0] += time.perf_counter() - t
         polls[0] += 1
 
+    stop_at = started(go, args["seconds"] + 1.0)  # the writers' last groups are taken too
     os.path.exists(MARK)  # the start marker
     version = 0
     taken = lambda: len(feed.trained) + sum(feed.dropped.values())  # noqa: E731
@@ -197,18 +209,27 @@ def run_once(root: Path, writers: int, args: dict, seconds: float) -> dict:
         shutil.rmtree(root)
     root.mkdir(parents=True)
     ctx = mp.get_context("spawn")
-    stop_at = time.time() + seconds + 5.0  # spawn start-up
-    procs = [ctx.Process(target=trainer_main, args=(root, args, stop_at + 1.0, root / "trainer.json"))]
+    go = (ctx.Semaphore(0), ctx.Event())  # every process ready (imports done), then the clock starts
+    args = {**args, "seconds": seconds}
+    procs = [ctx.Process(target=trainer_main, args=(root, args, go, root / "trainer.json"))]
     w_args = {**args, "limit": -(-args["limit"] // writers) if args["limit"] > 0 else 0}
-    procs += [ctx.Process(target=writer_main, args=(root, i, w_args, stop_at, root / f"writer{i}.json"))
+    procs += [ctx.Process(target=writer_main, args=(root, i, w_args, go, root / f"writer{i}.json"))
               for i in range(writers)]
     for p in procs:
         p.start()
+    for _ in procs:
+        while not go[0].acquire(timeout=5.0):
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a bench process died before it was ready (exit {dead[0].exitcode})")
+    go[1].set()
     for p in procs:
         p.join()
     t = json.loads((root / "trainer.json").read_text())
     ws = [json.loads((root / f"writer{i}.json").read_text()) for i in range(writers)]
-    steps = t["steps"][5:] or t["steps"]  # the first steps wait for every process to start
+    steps = t["steps"][1:] or t["steps"]  # the first step waits for the writers' first groups
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
     taken = (steps[-1]["trained"] + steps[-1]["dropped"] - steps[0]["trained"] - steps[0]["dropped"]) if steps else 0
     admit = [x for w in ws for x in w["admit_s"]]
@@ -239,11 +260,11 @@ def concurrency(base: Path, args: dict) -> dict:
     rows = []
     for w in args["writer_counts"]:
         r = run_once(base / f"w{w}", w, {**args, "limit": 0}, args["seconds"])
-        done = r["batch_complete_to_claimed_ms"]
-        print(f"{w:3d} writers: {r['groups_per_s']:.1f} groups/s, batch complete -> claimed p50/p99 "
-              f"{done['p50']:.1f}/{done['p99']:.1f} ms, admit p99 "
-              f"{r['admit_ms']['p99']:.2f} ms, lost races {r['lost_races']}, trainer protocol "
-              f"{r['trainer_protocol_ms_per_step']['mean']:.2f} ms/step", flush=True)
+        done, proto = r["batch_complete_to_claimed_ms"] or {}, r["trainer_protocol_ms_per_step"] or {}
+        print(f"{w:3d} writers: {r['groups_per_s'] or 0:.1f} groups/s (offered {r['offered_groups_per_s']}), "
+              f"batch complete -> claimed p50/p99 {done.get('p50', 0):.1f}/{done.get('p99', 0):.1f} ms, admit p99 "
+              f"{(r['admit_ms'] or {}).get('p99', 0):.2f} ms, lost races {r['lost_races']}, trainer protocol "
+              f"{proto.get('mean', 0):.2f} ms/step", flush=True)
         rows.append({k: v for k, v in r.items() if not k.startswith("_")})
         shutil.rmtree(base / f"w{w}", ignore_errors=True)
     return {"concurrency": rows}
@@ -391,7 +412,9 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     result: dict = {"meta": {"args": args, "dir": str(base), "host": os.uname().nodename, "time": time.time(),
                              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                      text=True, cwd=Path(__file__).parent).stdout.strip()}}
+                                                      text=True, cwd=Path(__file__).parent).stdout.strip(),
+                             "dirty": bool(subprocess.run(["git", "status", "--porcelain", "hpcrl"], capture_output=True,
+                                                          text=True, cwd=Path(__file__).parent).stdout.strip())}}
     try:
         if a.ops:
             result.update(ops(base, args))

@@ -61,6 +61,15 @@ def test_the_drop_count_is_one_read_lags_a_cut_record_and_is_recounted_at_the_tr
     assert led.num_dropped() == 3
     (led.root / "dropped.count").unlink()  # a ledger from before the count file: listed
     assert led.num_dropped() == 3
+    trainer = ledger(tmp_path, b=4, eta=0, rows=100)
+    trainer.sync_drop_count()
+    (led.root / "dropped.count").write_text("1")  # a fenced-off trainer wrote its own, older count meanwhile
+    trainer.check_drop_count()  # the trainer's next drop record or checkpoint notices and recounts
+    assert led.num_dropped() == 3
+    trainer.record_drop(3, "uniform")
+    (led.root / "dropped.count").write_text("2")
+    trainer.record_drop(4, "uniform")
+    assert led.num_dropped() == 5 == led.count_drop_records()
 
 
 def test_the_ticket_count_gallops_past_other_writers_tickets(tmp_path) -> None:

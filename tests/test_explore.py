@@ -277,6 +277,14 @@ def test_the_reason_filter_opens_each_reason_file_once_and_pages(run, monkeypatc
             break
         offset = page["next_offset"]
     assert found == [20] and len(opened) == 6
+    view, offset, found = RunView(run), 0, []  # both filters: a group is opened only once its reason matched
+    for _ in range(8):
+        page = view.groups(GroupQuery(kind="dropped", reason="stale", reward_min=0.0, offset=offset))
+        found += [g["ticket"] for g in page["groups"]]
+        if not page["truncated"]:
+            break
+        offset = page["next_offset"]
+    assert found == [20] and set(view._rewards) == {g for g in view._reasons if "000020" in g}
 
 
 def test_the_export_of_a_live_run_skips_a_group_moved_meanwhile(run, tmp_path, monkeypatch) -> None:

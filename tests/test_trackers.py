@@ -126,8 +126,9 @@ def test_the_config_names_trackers_it_can_open(tmp_path) -> None:
     assert load_config(QUICKSTART, ["metrics.trackers=[tensorboard,wandb,mlflow]"]).metrics.trackers[1] == "wandb"
     with pytest.raises(ConfigError, match=r"trackers: must be one of \['mlflow', 'tensorboard', 'wandb'\]"):
         load_config(QUICKSTART, ["metrics.trackers=[neptune]"])
-    with pytest.raises(ConfigError, match="is a type, not the TrackerSpec"):
-        load_config(QUICKSTART, ["metrics.trackers=[test_trackers:Recorder]"])
+    assert load_config(QUICKSTART, ["metrics.trackers=[test_trackers:Recorder]"])  # a factory alone, as before specs
+    with pytest.raises(ConfigError, match="is a PosixPath, not the TrackerSpec"):
+        load_config(QUICKSTART, ["metrics.trackers=[test_trackers:QUICKSTART]"])
     register_tracker(TrackerSpec("absent", build=Recorder, package="hpcrl_no_such_package", extra="trackers"))
     with pytest.raises(ConfigError, match=r"absent needs the hpcrl_no_such_package package: pip install -e '.\[trackers\]'"):
         load_config(QUICKSTART, ["metrics.trackers=[absent]"])

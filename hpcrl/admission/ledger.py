@@ -49,7 +49,9 @@ the process: a cached count could miss a drop and stall the bound), and
 finds ``created`` by galloping forward from the last ticket it saw (O(log
 gap) lookups). ``dropped.count`` is rewritten by the one process that records
 drops (the trainer) after each record it creates and recounted at its start,
-so it can lag the records after a crash, never lead them.
+so it can lag the records after a crash, never lead them; a count that is not
+the one this trainer wrote (a fenced-off trainer's) is recounted at its next
+drop record or checkpoint (:meth:`check_drop_count`).
 Retention: :meth:`compact_reissues` folds taken reissue files of finished
 tickets into ``reissue.jsonl``, so ``reissue/`` holds only live ones.
 """
@@ -59,6 +61,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +182,10 @@ class AdmissionLedger:
         if reissued is not None:
             return reissued
         while self._cursor < limit:
-            index, self._cursor = self._cursor, self._cursor + 1
-            if create_exclusive(self.tickets_dir / f"t{index:09d}",
-                                self._record(writer=writer, version=version)):
+            index = self._cursor
+            won = create_exclusive(self.tickets_dir / f"t{index:09d}", self._record(writer=writer, version=version))
+            self._cursor = index + 1  # after the create: a create that raised leaves no hole behind the cursor
+            if won:
                 return self.ticket(index)
         return None
 
@@ -288,8 +292,25 @@ class AdmissionLedger:
         self._write_drop_count()
         return self._drops
 
+    def check_drop_count(self) -> None:
+        """Recount if ``dropped.count`` is not what this process last wrote (one read): a fenced-off trainer
+        that wrote its own count after this one took over. Before each drop record and at each checkpoint,
+        so such a lag lasts at most until then."""
+        if self._drops is None:
+            return
+        try:
+            with open(self.root / DROP_COUNT) as f:
+                written = int(f.read())
+        except (FileNotFoundError, ValueError):
+            written = None
+        if written != self._drops:
+            log.warning("dropped.count read %s, this trainer wrote %d: recounting the drop records", written,
+                        self._drops)
+            self.sync_drop_count()
+
     def _write_drop_count(self) -> None:
-        tmp = self.root / f"{DROP_COUNT}.tmp.{os.getpid()}"
+        # atomic (rename over it), not fsynced: a count lost in a crash is recounted at the next start
+        tmp = self.root / f"{DROP_COUNT}{atomic.TMP_MARK}{socket.gethostname()}-{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(str(self._drops))
         os.replace(tmp, self.root / DROP_COUNT)
@@ -301,6 +322,7 @@ class AdmissionLedger:
         if not self.admitted(index):
             log.warning("not recording a drop for ticket %d: it was never admitted (%s)", index, reason)
             return False
+        self.check_drop_count()
         if not create_exclusive(self.dropped_dir / f"t{index:09d}", self._record(reason=reason)):
             return False
         if self._drops is None:  # the first record of this process: count what earlier processes recorded

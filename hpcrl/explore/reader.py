@@ -238,25 +238,35 @@ class RunView:
 
     def groups(self, q: GroupQuery) -> dict[str, Any]:
         """One page of a listing, in (step, ticket) order; ``next_offset`` is where the next page starts
-        (None: no more). Without a reward filter nothing is opened; with one, each file is opened once (its
-        mean reward is cached) and at most MAX_OPEN_PER_QUERY new files per page (``truncated``: ask again
-        from ``next_offset``)."""
+        (None: no more). Without a reward or reason filter nothing is opened; with one, each file (a group for
+        its mean reward, a reason record) is opened once and cached, at most MAX_OPEN_PER_QUERY new ones per
+        page (``truncated``: ask again from ``next_offset``; each such page opens new files, so paging ends)."""
         rows: list[dict] = []
-        matched = opened = 0
+        matched, opened = 0, [0]
         by_reward = q.reward_min is not None or q.reward_max is not None
+
+        def can_open(path: str, cache: dict) -> bool:  # a file not read before is charged to the page's budget
+            if path in cache:
+                return True
+            opened[0] += 1
+            return opened[0] <= MAX_OPEN_PER_QUERY
+
+        def truncated() -> dict[str, Any]:  # files still to open: the next page goes on from here
+            return {"groups": self._with_rewards(rows), "next_offset": q.offset + len(rows), "truncated": True}
+
         for r in self._entries(q):
             if q.ticket is not None and r["ticket"] != q.ticket:
                 continue
             if q.replica is not None and r["writer"].split("-")[0] != q.replica:
                 continue
-            fresh = (q.reason is not None and r["path"] not in self._reasons) + \
-                (by_reward and r["path"] not in self._rewards)
-            if fresh and opened >= MAX_OPEN_PER_QUERY:  # files still to open: the next page goes on from here
-                return {"groups": self._with_rewards(rows), "next_offset": q.offset + len(rows), "truncated": True}
-            opened += fresh
-            if q.reason is not None and q.reason.lower() not in self._reason_text(r["path"]).lower():
-                continue
+            if q.reason is not None:
+                if not can_open(r["path"], self._reasons):
+                    return truncated()
+                if q.reason.lower() not in self._reason_text(r["path"]).lower():
+                    continue
             if by_reward:
+                if not can_open(r["path"], self._rewards):
+                    return truncated()
                 reward = self.mean_reward(r["path"])
                 if reward is None or (q.reward_min is not None and reward < q.reward_min) or \
                         (q.reward_max is not None and reward > q.reward_max):

@@ -5,7 +5,8 @@ A :class:`TrackerSpec` names the tracker's factory ``(MetricsConfig, TrackerCont
 so that the config rejects a tracker whose package is missing when the run is submitted, not when the trainer
 starts. :data:`TRACKERS` holds the built-in ones (``tensorboard``, ``wandb``, ``mlflow``);
 :func:`register_tracker` adds one within a process, and a config names one of its own by import path
-(``metrics.trackers: [my_pkg.trackers:SPEC]``, a :class:`TrackerSpec`).
+(``metrics.trackers: [my_pkg.trackers:SPEC]``, a :class:`TrackerSpec`, or ``my_pkg.trackers:factory``, the
+factory alone).
 
 This module is light (no torch, no tracker package): the config layer imports it.
 """
@@ -16,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hpcrl.plugins import Registry
+from hpcrl.plugins import Registry, plugins_deferred, resolve
 
 __all__ = ["TRACKERS", "TrackerSpec", "check_tracker", "register_tracker", "tracker_spec"]
 
@@ -32,7 +33,16 @@ class TrackerSpec:
 
 TRACKERS = Registry("metrics.trackers", TrackerSpec)
 register_tracker = TRACKERS.register  # make a spec a choice of metrics.trackers (within this process)
-tracker_spec = TRACKERS.lookup  # the spec a name in metrics.trackers names (a registered name, or module:attr)
+
+
+def tracker_spec(name: str, key: str | None = None) -> TrackerSpec:
+    """The spec a name in metrics.trackers names: a registered name, or ``module:attr`` of a TrackerSpec or of a
+    factory ``(MetricsConfig, TrackerContext) -> Tracker`` (registered under ``name`` on first use)."""
+    if ":" in name and name not in TRACKERS and not plugins_deferred():
+        obj = resolve(name, key or TRACKERS.key)
+        if not isinstance(obj, TrackerSpec) and callable(obj):
+            return register_tracker(TrackerSpec(name, build=obj))
+    return TRACKERS.lookup(name, key)
 
 
 def check_tracker(name: str, key: str = "trackers") -> TrackerSpec:

@@ -300,7 +300,7 @@ class Spool:
         and set aside again, e.g. across trainer restarts) goes to ``again-<k>/``: nothing is overwritten."""
         self.fence.check(f"spool move to {directory.name}/")
         dst, k = directory / entry.name, 0
-        while dst.exists():
+        while dst.exists() or dst.with_name(dst.name + REASON_SUFFIX).exists():  # data pruned, reason kept
             k += 1
             (directory / f"again-{k}").mkdir(exist_ok=True)
             dst = directory / f"again-{k}" / entry.name

@@ -72,7 +72,6 @@ class BatchFeed:
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
         self._trained: set[int] | None = None  # tickets in trained/, read on first use (after reconcile)
         self._batch: set[int] = set()  # tickets of the batch being assembled
-        ledger.sync_drop_count()  # the trainer's start: the bound's drop count recounted (a crash may cut it short)
 
     @property
     def trained(self) -> set[int]:
@@ -186,6 +185,7 @@ class BatchFeed:
         """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues. Its cost
         follows what changed since the last checkpoint, not the run's length."""
         finished = lambda n: n in self.trained or self.ledger.is_dropped(n)  # noqa: E731
+        self.ledger.check_drop_count()
         return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
                 "reissues_compacted": self.ledger.compact_reissues(finished)}
 

@@ -191,6 +191,7 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: 
         if meta:
             feed.dropped.update(meta.get("dropped", {}))
             reporter.restore(meta)
+        feed.ledger.sync_drop_count()  # the bound's drop count recounted (a crash may have cut it short)
         reconcile(start, feed, weights, state)
     if ctx.world_size > 1:
         dist.barrier()
