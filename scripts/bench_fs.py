@@ -247,6 +247,7 @@ def run_once(root: Path, writers: int, args: dict, seconds: float) -> dict:
         if t["ready_to_claim_s"] else None,
         "admit_ms": {f"p{q}": 1e3 * pct(admit, q) for q in (50, 90, 99)} if admit else None,
         "publish_ms": {f"p{q}": 1e3 * pct(publish, q) for q in (50, 90, 99)} if publish else None,
+        "tickets": sum(len(w["tickets"]) for w in ws),
         "lost_races": sum(w["lost_races"] for w in ws), "refused_at_bound": sum(w["refused"] for w in ws),
         # the trainer's time in the feed apart from its sleeps (its polls of ready/ included), per step
         "trainer_protocol_ms_per_step": {"mean": 1e3 * float(np.mean(proto)), "p99": 1e3 * pct(proto, 99)}
@@ -280,6 +281,18 @@ def windows(values: list[tuple[int, float]], n: int, width: int) -> list[dict]:
     return out
 
 
+def growth(windows_: list[dict]) -> tuple[float, float]:
+    """Median of the first and of the last quarter of the full windows (a window with under half the steps of
+    the fullest is the run's ragged end): how the cost moved over the run, robust to one loaded moment."""
+    full = [w["ms"] for w in windows_ if w["n"] >= max(x["n"] for x in windows_) / 2]
+    k = max(1, len(full) // 4)
+    return float(np.median(full[:k])), float(np.median(full[-k:]))
+
+
+def ratio(pair: tuple[float, float]) -> float:
+    return pair[1] / pair[0]
+
+
 def run_length(base: Path, args: dict) -> dict:
     n, w = args["length"], args["length_writers"]
     small = {**args, "tokens": [16, 64], "rate": 0.0, "limit": n}
@@ -291,15 +304,16 @@ def run_length(base: Path, args: dict) -> dict:
     per_group = windows([(tk, a + p) for x in ws for tk, a, p in zip(x["tickets"], x["admit_s"], x["publish_s"])],
                         n, width)
     admit = windows([(tk, a) for x in ws for tk, a in zip(x["tickets"], x["admit_s"])], n, width)
-    first, last = per_step[1]["ms"] if len(per_step) > 1 else per_step[0]["ms"], per_step[-1]["ms"]
+    first, last = growth(per_step)
     out = {"groups": n, "writers": w, "wall_s": time.time() - t0, "drop_share": args["drop_share"],
            "trainer_ms_per_step": per_step, "writer_admit_publish_ms_per_group": per_group,
-           "writer_admit_ms_per_group": admit, "writer_growth": per_group[-1]["ms"] / per_group[0]["ms"],
-           "retention": t["retention"], "trainer_step_growth": last / first}
-    print(f"{n} groups: trainer protocol {first:.2f} -> {last:.2f} ms/step (x{last / first:.2f}); writer admit+"
-          f"publish {per_group[0]['ms']:.2f} -> {per_group[-1]['ms']:.2f} ms/group; retention "
-          f"{1e3 * t['retention'][0]['seconds']:.1f} -> {1e3 * t['retention'][-1]['seconds']:.1f} ms"
-          if t["retention"] else "", flush=True)
+           "writer_admit_ms_per_group": admit, "writer_growth": ratio(growth(per_group)),
+           "writer_admit_growth": ratio(growth(admit)), "retention": t["retention"],
+           "retention_growth": ratio(growth([{"ms": 1e3 * r["seconds"], "n": 1} for r in t["retention"]])),
+           "trainer_step_growth": last / first}
+    print(f"{n} groups, median of the first and last quarter of the run: trainer protocol {first:.2f} -> "
+          f"{last:.2f} ms/step; writer admit+publish x{out['writer_growth']:.2f}, admit alone "
+          f"x{out['writer_admit_growth']:.2f}; retention x{out['retention_growth']:.2f}", flush=True)
     shutil.rmtree(base / "length", ignore_errors=True)
     return {"length": out}
 
