@@ -391,6 +391,7 @@ def _rescale(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, co
         watchdog.started(name)
         log.info("scale: started %s (%s %s: %s)", name, scheduler_spec(cfg.launch.scheduler).job_word, jobs[name][0], why)
         _event(events, name, jobs[name][0], Decision("scale", f"started {name}: {why}"))
+        _event(events, name, jobs[name][0], Decision("start", f"submitted as {jobs[name][0]} (scaled up)"))
     if changed or start or drain:
         _write_registry(cfg, run_dir, jobs)
     return changed or bool(start)
