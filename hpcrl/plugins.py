@@ -45,11 +45,13 @@ def resolve(target: str | Callable, key: str) -> Any:
 class Registry(dict):
     """One seam's choices: name -> spec, where a spec is a frozen dataclass of ``kind`` with ``name`` and
     ``build`` fields. A config value is a registered name, or ``module:attr`` of a spec outside hpcrl (imported
-    and registered under that value on first use; with plugins deferred, a placeholder that imports nothing)."""
+    and registered under that value on first use; with plugins deferred, a placeholder that imports nothing);
+    with ``wrap``, ``module:attr`` may also name a bare callable, which ``wrap`` makes a spec of."""
 
-    def __init__(self, key: str, kind: type) -> None:
+    def __init__(self, key: str, kind: type, wrap: Callable[[str, Callable], Any] | None = None) -> None:
         super().__init__()
-        self.key, self.kind = key, kind
+        # wrap: how a bare callable named ``module:attr`` becomes a spec (None: the name must be of a spec)
+        self.key, self.kind, self.wrap = key, kind, wrap
 
     def register(self, spec: Any) -> Any:
         """Make ``spec`` a choice of the config key; a name is registered once."""
@@ -68,6 +70,8 @@ class Registry(dict):
             return self.kind(name=name, build=name)
         if ":" in name:
             spec = resolve(name, key)
+            if not isinstance(spec, self.kind) and self.wrap is not None and callable(spec):
+                spec = self.wrap(name, spec)
             if not isinstance(spec, self.kind):
                 raise ValueError(f"{key}: {name!r} is a {type(spec).__name__}, not the {self.kind.__name__} it must name")
             return self.register(spec if spec.name == name else replace(spec, name=name))

@@ -274,11 +274,15 @@ class AdmissionLedger:
         It may lag the records by the ones a crash cut off (never ahead: records are never removed), which only
         tightens the bound until the trainer's next start recounts (:meth:`sync_drop_count`). A ledger from
         before the count file is counted by listing ``dropped/``."""
+        written = self._read_drop_count()
+        return self.count_drop_records() if written is None else written
+
+    def _read_drop_count(self) -> int | None:
         try:
             with open(self.root / DROP_COUNT) as f:
                 return int(f.read())
         except (FileNotFoundError, ValueError):
-            return self.count_drop_records()
+            return None
 
     def count_drop_records(self) -> int:
         """The drop records in ``dropped/``, listed (O(drops)): for a start and for tools, not per ticket."""
@@ -298,11 +302,7 @@ class AdmissionLedger:
         so such a lag lasts at most until then."""
         if self._drops is None:
             return
-        try:
-            with open(self.root / DROP_COUNT) as f:
-                written = int(f.read())
-        except (FileNotFoundError, ValueError):
-            written = None
+        written = self._read_drop_count()
         if written != self._drops:
             log.warning("dropped.count read %s, this trainer wrote %d: recounting the drop records", written,
                         self._drops)

@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hpcrl.plugins import Registry, plugins_deferred, resolve
+from hpcrl.plugins import Registry
 
 __all__ = ["TRACKERS", "TrackerSpec", "check_tracker", "register_tracker", "tracker_spec"]
 
@@ -31,18 +31,10 @@ class TrackerSpec:
     extra: str = ""  # the pip extra that installs that module, named in the error
 
 
-TRACKERS = Registry("metrics.trackers", TrackerSpec)
+# a config may also name a factory alone (``module:factory``): it becomes a spec of that name
+TRACKERS = Registry("metrics.trackers", TrackerSpec, wrap=lambda name, factory: TrackerSpec(name, build=factory))
 register_tracker = TRACKERS.register  # make a spec a choice of metrics.trackers (within this process)
-
-
-def tracker_spec(name: str, key: str | None = None) -> TrackerSpec:
-    """The spec a name in metrics.trackers names: a registered name, or ``module:attr`` of a TrackerSpec or of a
-    factory ``(MetricsConfig, TrackerContext) -> Tracker`` (registered under ``name`` on first use)."""
-    if ":" in name and name not in TRACKERS and not plugins_deferred():
-        obj = resolve(name, key or TRACKERS.key)
-        if not isinstance(obj, TrackerSpec) and callable(obj):
-            return register_tracker(TrackerSpec(name, build=obj))
-    return TRACKERS.lookup(name, key)
+tracker_spec = TRACKERS.lookup  # the spec a name in metrics.trackers names (a registered name, or module:attr)
 
 
 def check_tracker(name: str, key: str = "trackers") -> TrackerSpec:

@@ -17,7 +17,8 @@ const CURVES = [  // [title, candidate keys in order of preference]
   ["samples/s", ["throughput/samples_per_s"]],
 ];
 const EVENT_STYLE = {
-  start: ["#2ca02c", "triangle-right"], restart: ["#d62728", "x"], preempt: ["#ff7f0e", "triangle-down"], fail: ["#000000", "x-thin-open"],
+  start: ["#2ca02c", "triangle-right"], restart: ["#d62728", "x"], preempt: ["#ff7f0e", "triangle-down"],
+  fail: ["#000000", "x-thin-open"],
   stop: ["#7f7f7f", "square"], scale: ["#2ca02c", "diamond"], autoscale: ["#2ca02c", "diamond-open"],
   resume: ["#9467bd", "star"], rewind: ["#9467bd", "star-open"], checkpoint: ["#1f77b4", "line-ns-open"],
   publish: ["#17becf", "circle"], done: ["#2ca02c", "star-square"], failed: ["#d62728", "star-square"],
