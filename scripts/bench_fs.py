@@ -424,11 +424,11 @@ def main() -> None:
         return
     base = Path(a.dir or tempfile.mkdtemp(prefix="hpcrl-bench-fs-"))
     base.mkdir(parents=True, exist_ok=True)
+    git = lambda *cmd: subprocess.run(["git", *cmd], capture_output=True, text=True,  # noqa: E731
+                                      cwd=Path(__file__).parent).stdout.strip()
     result: dict = {"meta": {"args": args, "dir": str(base), "host": os.uname().nodename, "time": time.time(),
-                             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                      text=True, cwd=Path(__file__).parent).stdout.strip(),
-                             "dirty": bool(subprocess.run(["git", "status", "--porcelain", "hpcrl"], capture_output=True,
-                                                          text=True, cwd=Path(__file__).parent).stdout.strip())}}
+                             "commit": git("rev-parse", "--short", "HEAD"),
+                             "dirty": bool(git("status", "--porcelain", "hpcrl"))}}
     try:
         if a.ops:
             result.update(ops(base, args))

@@ -65,8 +65,9 @@ def agent_run(tmp_path_factory) -> Path:
             "rollout.max_new_tokens=4", "trainer.total_steps=30", "eval.every_steps=10", "eval.size=40",
             "ckpt.every_steps=5", "watchdog.backoff_s=0.5", "launch.progress_interval_s=1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/agent_feedback.yaml"),
-                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    config = str(ROOT / "configs/agent_feedback.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", config, *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         metrics, deadline = run / "logs" / "metrics.jsonl", time.time() + 240
         while not (metrics.exists() and any(r.get("step", 0) >= 8 for r in read_metrics(metrics))):
