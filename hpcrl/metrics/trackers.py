@@ -1,12 +1,12 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow, behind one small protocol.
 
-A :class:`Tracker` takes ``log(scalars, step)`` and ``close()``; :data:`hpcrl.metrics.registry.TRACKERS` maps
-each name of ``metrics.trackers`` to its factory (a :class:`~hpcrl.metrics.registry.TrackerSpec` of your own,
-named ``"package.module:SPEC"``, or its factory alone, adds one). :class:`~hpcrl.metrics.writer.MetricsWriter`
-opens them beside its JSONL file and hands each one every record of a step it has not handed over before, so
-that a component restarted from an older checkpoint does not log the steps it recomputes twice (the tracker
-keeps the first leg's values of those steps; the JSONL file has both), and a leg that was killed before a buffering tracker wrote its last records has them handed
-over again from the JSONL file by the next leg: the step series has no gap.
+A :class:`Tracker` takes ``log(scalars, step)`` and ``close()``; :data:`hpcrl.metrics.registry.TRACKERS` maps each
+name of ``metrics.trackers`` to its factory (a :class:`~hpcrl.metrics.registry.TrackerSpec` of your own, named
+``"package.module:SPEC"``, or its factory alone, adds one). :class:`~hpcrl.metrics.writer.MetricsWriter` opens them
+beside its JSONL file and hands each one every record of a step it has not handed over before, so that a component
+restarted from an older checkpoint does not log the steps it recomputes twice (the tracker keeps the first leg's
+values of those steps; the JSONL file has both), and a leg that was killed before a buffering tracker wrote its last
+records has them handed over again from the JSONL file by the next leg: the step series has no gap.
 
 One tracker run per run and component (``trainer``, ``eval``), named after the run directory, resumed after a
 restart: W&B by a run id derived from the run directory and component (offline by default: each leg writes
