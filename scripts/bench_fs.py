@@ -153,8 +153,9 @@ def trainer_main(root: Path, args: dict, go, out: Path) -> None:
     spool = Spool(root / "spool")
     share = args["drop_share"]
     keep = (lambda g: (g.ticket * 2654435761 % 1000) >= share * 1000) if share > 0 else None
+    # no read-ahead thread (--ops traces this one; the trainer's adds a ready/ listing per step and a stat per file)
     feed = BatchFeed(spool, ledger, args["batch"], args["eta"], timeout_s=max(60.0, args["seconds"]),
-                     poll_s=0.002, keep=keep)
+                     poll_s=0.002, keep=keep, read_ahead=False)
     ledger.sync_drop_count()  # as the trainer does at its start
     steps, latency, ready_to_claim, retention, slept, polls = [], [], [], [], [0.0], [0]
 

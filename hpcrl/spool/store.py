@@ -46,6 +46,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, write_json
 from hpcrl.runtime.owner import Fence, NoFence
@@ -246,10 +247,12 @@ class Spool:
             fsync_dir(self.ready_dir)
         return taken
 
-    def load(self, entry: SpoolEntry) -> TrajectoryGroup | None:
-        """Read and validate ``entry``; quarantine it and return None if it is invalid."""
+    def load(self, entry: SpoolEntry,
+             read: Callable[[Path], TrajectoryGroup] = read_group) -> TrajectoryGroup | None:
+        """Read (with ``read``: ``read_group`` or a read-ahead's) and validate ``entry``; quarantine it and return
+        None if it is invalid."""
         try:
-            group = read_group(entry.path)
+            group = read(entry.path)
             got = (group.ticket, *group.version_range(), group.writer)
             want = (entry.ticket, entry.min_version, entry.max_version, entry.writer)
             if got != want:

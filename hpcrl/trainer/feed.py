@@ -30,13 +30,14 @@ Ordering rules (rank 0 only):
   regenerate a made-up one. Stale and lost-policy files are opened and
   checked the same way before their ticket is reissued.
 
-Loading is not overlapped with training on purpose: B files take ~5-7 ms
-to claim, read and commit (``scripts/bench_spool.py``), 1-2 % of a step,
-while claiming the next batch during step ``v`` would select it against
-``v`` instead of the version that trains it (``v + 1``: a file can turn
-stale in between), and much of a file's read cost is Python (h5py's
-wrappers, validation) holding the GIL, so a loader thread would compete with
-the training loop rather than overlap it.
+Claiming is not overlapped with training on purpose: claiming the next
+batch during step ``v`` would select it against ``v`` instead of the version
+that trains it (``v + 1``: a file can turn stale in between). Reading is:
+with ``trainer.read_ahead`` (default on) a :class:`~hpcrl.spool.readahead.ReadAhead`
+parses the ready files during the step, deciding nothing, and the claim
+takes its parse when the claimed file is the one it read. ``spool_s`` is the
+time the last :meth:`BatchFeed.next_batch` spent on the spool and the ledger
+(claims, reads, checks; its waits for rollouts left out).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import time
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.spool.format import TrajectoryGroup
+from hpcrl.spool.format import TrajectoryGroup, read_group
+from hpcrl.spool.readahead import ReadAhead
 from hpcrl.spool.store import Spool, SpoolEntry
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,12 @@ class BatchTimeout(RuntimeError):
 class BatchFeed:
     def __init__(self, spool: Spool, ledger: AdmissionLedger, batch_size: int, max_staleness: int,
                  timeout_s: float = 600.0, poll_s: float = 0.01,
-                 keep: Callable[[TrajectoryGroup], bool] | None = None) -> None:
+                 keep: Callable[[TrajectoryGroup], bool] | None = None, read_ahead: bool = False) -> None:
         self.spool, self.ledger = spool, ledger
+        # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale)
+        self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
+        self._read = self.ahead.read if self.ahead is not None else read_group
+        self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._pending: list[SpoolEntry] = []
@@ -116,7 +122,7 @@ class BatchFeed:
     def regenerate(self, entry: SpoolEntry, kind: str, reason: str) -> None:
         """Set aside a valid file that can no longer be trained (stale, lost policy) and reissue its
         ticket, after the same checks as a trainable file; a file that fails them is quarantined."""
-        group = self.spool.load(entry)  # a corrupt file is quarantined here
+        group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
         if group is None:
             if self.owns_outcome(entry):
                 self.ledger.record_drop(entry.ticket, "quarantined: unreadable")
@@ -137,13 +143,14 @@ class BatchFeed:
         """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep)."""
         groups: list[TrajectoryGroup] = []
         entries: list[SpoolEntry] = []
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline, waited = start + self.timeout_s, 0.0
         self._batch = set()
         while len(groups) < self.batch_size:
             fresh = self._eligible(version)[: self.batch_size - len(groups)]
             for entry in self.spool.claim(fresh):
                 owned = self.owns_outcome(entry)  # before load: a corrupt file is quarantined there
-                group = self.spool.load(entry)
+                group = self.spool.load(entry, self._read)
                 if group is None:
                     if owned:
                         self.ledger.record_drop(entry.ticket, "quarantined")
@@ -165,8 +172,13 @@ class BatchFeed:
                 if time.monotonic() > deadline:
                     raise BatchTimeout(f"only {len(groups)} of {self.batch_size} groups arrived for version "
                                        f"{version} in {self.timeout_s:.0f}s: are the rollouts alive?")
+                t = time.monotonic()
                 wait() if wait else time.sleep(self.poll_s)
+                waited += time.monotonic() - t
         self._pending = entries
+        if self.ahead is not None:
+            self.ahead.kick()  # the next batch's files are read while this one trains
+        self.spool_s = time.monotonic() - start - waited
         return groups
 
     def _eligible(self, version: int) -> list[SpoolEntry]:

@@ -105,9 +105,9 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             extra = {"groups/uniform": n_uniform, "version": version + 1,
                      "memory/peak_mb": device_of(ctx.device).peak_memory_bytes() / 2**20,
                      **{f"groups/dropped_{k}": v for k, v in feed.dropped.items()}}
-            reporter.step(version + 1, groups, stats, {"wait": t1 - t0, "update": t2 - t1, "publish": t3 - t2 - t_commit,
-                                                       "commit": t_commit,
-                                                       "step": time.time() - t0}, state, extra)
+            timings = {"wait": t1 - t0, "update": t2 - t1, "publish": t3 - t2 - t_commit, "commit": t_commit,
+                       "spool": feed.spool_s if feed else 0.0, "step": time.time() - t0}  # spool: part of wait
+            reporter.step(version + 1, groups, stats, timings, state, extra)
         if heartbeat:
             heartbeat.beat(version=version + 1)
         stop = agree(ctx, (preempt is not None and preempt.requested) or fence.orphaned())
@@ -203,8 +203,9 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
     """The pieces only rank 0 owns: the spool feed and the reporter."""
     train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
-    feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size, cfg.admission.max_staleness,
-                     cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo))
+    feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size,
+                     cfg.admission.max_staleness, cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo),
+                     read_ahead=cfg.trainer.read_ahead)
     runner = build_scorer(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         eval_rows=eval_rows, measure=held_out(cfg, tokenizer, runner),

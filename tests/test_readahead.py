@@ -1,0 +1,119 @@
+"""The spool read-ahead: the trainer's files parsed during the step, handed over only for the very same file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hpcrl.admission.config import AdmissionConfig
+from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.spool.format import Sample, TrajectoryGroup, read_group
+from hpcrl.spool.readahead import ReadAhead
+from hpcrl.spool.store import Spool
+from hpcrl.trainer.feed import BatchFeed
+from tests.test_spool import assert_same_group, make_group
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the read-ahead did not get there"
+        time.sleep(0.005)
+
+
+class CountingReader:
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def __call__(self, path: Path) -> TrajectoryGroup:
+        self.paths.append(Path(path).name)
+        return read_group(path)
+
+
+def test_a_claimed_file_is_read_once_by_the_worker_and_handed_over(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    written = {g.ticket: g for g in (make_group(ticket=t, seed=t) for t in range(5))}
+    for g in written.values():
+        spool.publish(g)
+    reader = CountingReader()
+    ahead = ReadAhead(spool.ready_dir, limit=3, reader=reader)
+    try:
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 3)  # the limit: three of the five
+        time.sleep(0.05)
+        assert len(ahead) == 3 and len(reader.paths) == 3
+        for entry in spool.claim(spool.ready()):
+            assert_same_group(spool.load(entry, ahead.read), written[entry.ticket])
+        assert (ahead.hits, ahead.misses) == (3, 2)
+        assert sorted(reader.paths) == sorted(e.name for e in spool.claimed())  # each file read exactly once
+        assert len(ahead) == 0
+    finally:
+        ahead.close()
+
+
+def test_another_file_under_the_same_name_is_read_again(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    path = spool.publish(make_group(ticket=1, seed=1))
+    ahead = ReadAhead(spool.ready_dir, limit=8)
+    try:
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 1)
+        replacement = make_group(ticket=1, seed=1)
+        replacement.samples[0].reward = 42.0  # same name (ticket, versions, writer), other content
+        os.unlink(path)
+        spool.publish(replacement)
+        os.utime(path, ns=(1, 1))  # a different identity even where the inode number is reused
+        assert_same_group(ahead.read(path), replacement)
+        assert (ahead.hits, ahead.misses) == (0, 1)
+    finally:
+        ahead.close()
+
+
+def _ledger_and_groups(tmp_path: Path, n: int) -> tuple[AdmissionLedger, list[TrajectoryGroup]]:
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=2, max_staleness=4), 100)
+    groups = []
+    for _ in range(n):
+        t = ledger.try_admit(0, "w")
+        samples = [Sample(np.full(3, 5, np.int32), np.full(3, -1.0, np.float32), np.zeros(3, np.int32),
+                          np.ones(3, np.uint8), float(r), "stop") for r in (0.0, 1.0)]
+        groups.append(TrajectoryGroup(ticket=t.index, writer="w", prompt_ids=np.array([7], np.int32),
+                                      samples=samples, meta={"epoch": t.epoch, "row": t.row}))
+    return ledger, groups
+
+
+def test_the_feed_reads_the_next_batch_during_the_step_and_quarantines_as_before(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 5)
+    for g in groups[:2]:
+        spool.publish(g)
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5, read_ahead=True)
+    try:
+        assert [g.ticket for g in feed.next_batch(0)] == [0, 1]  # nothing was ready before: read at the claim
+        assert (feed.ahead.hits, feed.ahead.misses) == (0, 2) and feed.spool_s > 0
+        feed.commit(0)
+        for g in groups[2:]:
+            spool.publish(g)
+        bad = spool.ready_dir / spool.ready()[0].name
+        bad.write_bytes(b"not HDF5 at all")  # ticket 2's file, corrupted after publication
+        feed.ahead.kick()
+        wait_for(lambda: len(feed.ahead) == 2)  # tickets 3 and 4; ticket 2's file is left alone
+        assert [g.ticket for g in feed.next_batch(1)] == [3, 4]
+        assert (feed.ahead.hits, feed.ahead.misses) == (2, 3)
+        assert [e.ticket for e in spool.quarantined()] == [2]
+        assert "unreadable" in spool.reason(spool.quarantined()[0])["reason"]
+        assert ledger.dropped() == {2: "quarantined"}
+    finally:
+        feed.ahead.close()
+
+
+def test_without_read_ahead_the_feed_reads_every_file_itself(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 2)
+    for g in groups:
+        spool.publish(g)
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5)
+    assert feed.ahead is None
+    assert [g.ticket for g in feed.next_batch(0)] == [0, 1]
