@@ -23,7 +23,9 @@ objective (decoupled or plain PPO) x ``trainer.n_minibatches`` (1: the ratio
 against the proximal policy is exactly 1, so decoupled PPO has no trust
 region; 4: the clip binds) x behaviour-weight mode (``cap``: clamp at 5;
 ``mask``: drop tokens above 5; ``m2po``: no cap, M2PO's second-moment mask
-at 0.04) x eta, each row over ``--seeds`` (a seed
+at 0.04; ``approx``: clamp at 5 with the proximal logprobs interpolated,
+``algo.prox_approx=true``, four minibatches only) x eta (0, 1, 2, 4, 8, 16),
+each row over ``--seeds`` (a seed
 changes the model's initialisation, its SFT warm start, the data order and
 the sampling), with equal trained samples (same steps and batch) and the
 same held-out problems for every row. Every finished run is written to
@@ -86,13 +88,15 @@ def study_rows() -> dict[str, list[str]]:
     """The staleness study's grid: name -> overrides (eta = 0 is one objective: nothing is stale)."""
     rows = {}
     for mb in (1, 4):
-        for eta in (0, 1, 2, 4, 8):
+        for eta in (0, 1, 2, 4, 8, 16):
             common = [f"admission.max_staleness={eta}", f"trainer.n_minibatches={mb}"]
             rows[f"decoupled_cap_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=cap"]
             if eta > 0:
                 rows[f"decoupled_mask_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=mask"]
                 rows[f"plain_mb{mb}_eta{eta}"] = [*common, "algo.decoupled=false"]
                 rows[f"m2po_mb{mb}_eta{eta}"] = [*common, "algo.m2_threshold=0.04", "algo.behav_imp_weight_cap=null"]
+                if mb > 1:  # at one update per step the first update's own logprobs are exact: nothing to approximate
+                    rows[f"approx_mb{mb}_eta{eta}"] = [*common, "algo.behav_imp_weight_mode=cap", "algo.prox_approx=true"]
     return rows
 
 
