@@ -1,0 +1,128 @@
+"""What the pipeline simulator is given: cost models and a workload.
+
+Every cost is in seconds. :class:`Costs` describes one rollout replica's
+engine (continuous batching: a decode step over all active rows, a prefill
+per admitted group and per weight update in ``recompute`` mode) and the
+trainer (a step's time against its tokens, publishing a version, the spool).
+:class:`Workload` is what runs: the batch, the group size, the staleness
+bound, the replicas, how long responses are. Neither imports torch: the
+simulator is a light command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per operation; each ``*_per_*`` term is linear in what it names."""
+
+    # one decode step of the rollout engine over ``rows`` active sequences holding ``context`` tokens in all
+    decode_s: float = 2e-3
+    decode_per_row_s: float = 5e-5
+    decode_per_context_token_s: float = 0.0
+    # prefill: one call per admitted group (its prompt once, shared by the group's rows) and, after new weights in
+    # recompute mode, one call over every in-flight row's prompt and generated tokens
+    prefill_s: float = 2e-3
+    prefill_per_token_s: float = 2e-5
+    reward_per_sample_s: float = 0.0  # scoring a finished sample, on the generating thread
+    admit_s: float = 0.0  # the ledger's ticket per admitted group
+    spool_write_per_group_s: float = 0.0  # on the generating thread (0: a writer thread publishes)
+    weights_load_s: float = 5e-3  # the rollout receives and loads one new version
+    weights_poll_s: float = 0.02  # how often a generating rollout looks for new weights (0: every step)
+    # the trainer's step: fixed part, per trained token (prompt and response), per group read from the spool
+    train_step_s: float = 0.05
+    train_per_token_s: float = 2e-6
+    spool_per_group_s: float = 3e-4
+    publish_s: float = 5e-3  # publishing one version (collective or disk)
+    # one process doing both on the same cores (colocated): its publish is an in-memory load instead
+    colocated_publish_s: float = 1e-3
+    # disaggregated components sharing one machine's cores: each of their costs is multiplied by this while both
+    # run there (1: separate accelerators, as on a cluster)
+    shared_slowdown: float = 1.0
+
+    def decode(self, rows: int, context: int) -> float:
+        return self.decode_s + self.decode_per_row_s * rows + self.decode_per_context_token_s * context
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_s + self.prefill_per_token_s * tokens
+
+    def train(self, tokens: int, groups: int) -> float:
+        return self.train_step_s + self.train_per_token_s * tokens + self.spool_per_group_s * groups
+
+    def scaled(self, factor: float) -> Costs:
+        """Every cost multiplied by ``factor`` (the poll interval and the slowdown itself excepted)."""
+        keep = {"weights_poll_s", "shared_slowdown"}
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor
+                                            for f in dataclasses.fields(self) if f.name not in keep})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training run as the simulator plays it."""
+
+    steps: int = 60  # trainer steps (policy versions) to simulate
+    batch_groups: int = 16  # B: prompt groups per step (admission.batch_size)
+    group_size: int = 8  # G: samples per prompt
+    max_staleness: int = 2  # eta (admission.max_staleness); 0 = synchronous
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    replicas: int = 1  # rollout replicas (disaggregated)
+    max_batch_rows: int = 64  # rows one replica's engine decodes at once (rollout.max_batch_size)
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    prompt_tokens: int = 12
+    # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
+    response_tokens: tuple[int, ...] = (8,)
+    seed: int = 0
+    shared_cores: bool = False  # disaggregated components on one machine's cores (Costs.shared_slowdown applies)
+    # failures: each replica fails as a Poisson process of this rate per hour and comes back after restart_s; its
+    # in-flight groups are lost and their tickets reissued
+    rollout_failures_per_hour: float = 0.0
+    restart_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_groups", "group_size", "replicas", "max_batch_rows", "prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_batch_rows < self.group_size:
+            raise ValueError(f"max_batch_rows: must hold one group ({self.group_size} rows), got {self.max_batch_rows}")
+        if not self.response_tokens or min(self.response_tokens) < 1:
+            raise ValueError(f"response_tokens: a non-empty list of lengths >= 1, got {self.response_tokens}")
+        if self.mode == "colocated" and (self.max_staleness != 0 or self.replicas != 1):
+            raise ValueError("colocated: one process alternates generation and training (max_staleness 0, 1 replica)")
+        if self.rollout_failures_per_hour < 0 or self.restart_s < 0:
+            raise ValueError("rollout_failures_per_hour and restart_s: must be >= 0")
+
+
+@dataclass
+class Result:
+    """What a simulated run measured, as ``scripts/bench_async.py`` reports a real one."""
+
+    wall_s: float
+    samples: int
+    tokens: int
+    trainer_busy_s: float
+    rollout_busy_s: list[float]
+    staleness_hist: dict[int, int] = field(default_factory=dict)  # versions behind -> trained tokens
+    dropped_groups: int = 0
+    failures: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def trainer_busy(self) -> float:
+        return self.trainer_busy_s / self.wall_s
+
+    @property
+    def rollout_busy(self) -> float:
+        return sum(self.rollout_busy_s) / (len(self.rollout_busy_s) * self.wall_s)

@@ -1,0 +1,278 @@
+"""A discrete-event simulator of the pipeline: rollout replicas, the admission bound, the trainer.
+
+    from hpcrl.sim import Costs, Workload, simulate
+    result = simulate(Workload(max_staleness=4, replicas=2), Costs())
+    result.samples_per_s
+
+It plays the protocol hpcrl runs, at the granularity of engine steps, with
+every duration taken from a :class:`~hpcrl.sim.model.Costs` model instead of
+measured:
+
+* **Admission** (design.md §3.2): a replica asks for a ticket at its own
+  weights' version ``v``; the ledger grants one while
+  ``created - pending reissues - dropped < (v + eta + 1) * B``, a pending
+  reissue first. A group is admitted whole (``G`` rows) when the engine has
+  ``G`` free rows.
+* **A replica** runs engine steps back to back: look for new weights every
+  ``weights_poll_s`` (load them; in ``recompute`` mode prefill every
+  in-flight row's prompt and tokens again), admit what fits (one prefill per
+  group), decode one token on every active row. A finished group is scored
+  and handed to the spool at the end of the step. With nothing to decode and
+  no ticket it waits for the next version.
+* **The trainer** takes ``B`` ready groups whose oldest token is at most
+  ``eta`` versions behind, oldest first, trains, publishes, and wakes the
+  waiting replicas; a group that went stale is set aside and its ticket
+  reissued.
+* **Colocated** (``Workload.mode``): one process alternates, which is the
+  same protocol at ``eta = 0`` with the publish done in memory and no poll.
+* **Failures**: a replica fails at the given rate (Poisson), loses its
+  in-flight groups (their tickets are reissued) and comes back after
+  ``restart_s`` with the current weights.
+
+Lifecycle: :func:`simulate` builds a fresh :class:`Pipeline`, runs its event
+loop until the trainer has made ``Workload.steps`` steps, and returns a
+:class:`~hpcrl.sim.model.Result`. It is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hpcrl.sim.model import Costs, Result, Workload
+
+
+@dataclass
+class _Group:
+    ticket: int
+    rows_left: int
+    tokens: int = 0  # response tokens generated so far, all rows
+    versions: Counter = field(default_factory=Counter)  # weights version -> tokens generated with it
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions)
+
+
+@dataclass
+class _Row:
+    group: _Group
+    length: int  # response tokens it will generate
+    done: int = 0
+
+
+class _Ledger:
+    def __init__(self, work: Workload) -> None:
+        self.batch, self.eta = work.batch_groups, work.max_staleness
+        self.created = self.dropped = 0
+        self.reissued: list[int] = []
+
+    def try_admit(self, version: int) -> int | None:
+        limit = (version + self.eta + 1) * self.batch + len(self.reissued) + self.dropped
+        if self.created >= limit:
+            return None
+        if self.reissued:
+            return self.reissued.pop(0)
+        self.created += 1
+        return self.created - 1
+
+
+class Pipeline:
+    """One simulated run (use :func:`simulate`)."""
+
+    def __init__(self, work: Workload, costs: Costs) -> None:
+        self.work, self.costs = work, costs
+        self.rng = random.Random(work.seed)
+        self.now, self._seq = 0.0, 0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self.ledger = _Ledger(work)
+        self.colocated = work.mode == "colocated"
+        self.version = 0  # the trainer's published version
+        self.ready: list[_Group] = []
+        self.trainer_busy = False
+        self.trainer_busy_s = 0.0
+        self.samples = self.tokens = self.dropped_groups = self.failures = 0
+        self.staleness: Counter = Counter()
+        self.trained_tickets: list[int] = []
+        self.replicas = [_Replica(self, i) for i in range(work.replicas)]
+
+    # -- the event loop ----------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def run(self, stall_events: int = 2_000_000) -> Result:
+        """Play events until the last step is published; a run whose trainer makes no step in ``stall_events``
+        events (replicas failing and restarting forever, say) is a stall and raises."""
+        for r in self.replicas:
+            r.start()
+        since, last = 0, self.version
+        while self.version < self.work.steps:
+            if not self._events or since > stall_events:
+                raise RuntimeError(f"the simulation stalled at version {self.version} (t={self.now:.3f}s, "
+                                   f"{since} events without a step)")
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+            since, last = (0, self.version) if self.version != last else (since + 1, last)
+        return Result(wall_s=self.now, samples=self.samples, tokens=self.tokens, trainer_busy_s=self.trainer_busy_s,
+                      rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
+                      staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures)
+
+    def slowdown(self, other_busy: bool) -> float:
+        return self.costs.shared_slowdown if (self.work.shared_cores and other_busy) else 1.0
+
+    # -- the trainer --------------------------------------------------------------------------------
+    def offer(self, group: _Group) -> None:
+        self.ready.append(group)
+        self.try_train()
+
+    def try_train(self) -> None:
+        if self.trainer_busy or self.version >= self.work.steps:
+            return
+        floor = self.version - self.work.max_staleness
+        stale = [g for g in self.ready if g.min_version < floor]
+        for g in stale:  # set aside, generated again
+            self.ready.remove(g)
+            self.ledger.reissued.append(g.ticket)
+            self.dropped_groups += 1
+        if stale:
+            self.wake()
+        if len(self.ready) < self.work.batch_groups:
+            return
+        self.ready.sort(key=lambda g: (g.min_version, g.ticket))
+        batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
+        g_size = self.work.group_size
+        tokens = sum(g.tokens for g in batch) + len(batch) * g_size * self.work.prompt_tokens
+        publish = self.costs.colocated_publish_s if self.colocated else self.costs.publish_s
+        cost = (self.costs.train(tokens, len(batch)) + publish) * self.slowdown(any(r.busy for r in self.replicas))
+        self.trainer_busy = True
+        self.trainer_busy_s += cost
+        for g in batch:
+            self.trained_tickets.append(g.ticket)
+            self.samples += g_size
+            self.tokens += g.tokens
+            for v, n in g.versions.items():
+                self.staleness[self.version - v] += n
+        self.at(self.now + cost, self._published)
+
+    def _published(self) -> None:
+        self.trainer_busy = False
+        self.version += 1
+        self.wake()
+        self.try_train()
+
+    def wake(self) -> None:
+        """New weights or reissued tickets: replicas waiting for either look again."""
+        for r in self.replicas:
+            r.wake()
+
+
+class _Replica:
+    """One rollout replica's engine as a chain of steps."""
+
+    def __init__(self, pipe: Pipeline, index: int) -> None:
+        self.pipe, self.index = pipe, index
+        self.work, self.costs = pipe.work, pipe.costs
+        self.version = 0
+        self.rows: list[_Row] = []
+        self.busy = False  # a step is running
+        self.up = True
+        self.busy_s = 0.0
+        self.next_poll = 0.0
+        self.life = 0  # bumped at each failure: events of an earlier life are ignored
+
+    def start(self) -> None:
+        if self.work.rollout_failures_per_hour > 0:
+            self._schedule_failure()
+        self._step()
+
+    def wake(self) -> None:
+        if self.up and not self.busy:  # waiting for weights or a ticket: look now
+            self._step()
+
+    def _step(self) -> None:
+        pipe, costs, work = self.pipe, self.costs, self.work
+        cost = 0.0
+        poll = pipe.colocated or costs.weights_poll_s <= 0 or pipe.now >= self.next_poll or not self.rows
+        if poll and pipe.version > self.version:
+            self.next_poll = pipe.now + costs.weights_poll_s
+            cost += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: the trainer's publish loaded them
+            if work.kv_on_update == "recompute" and self.rows:
+                cost += costs.prefill(sum(work.prompt_tokens + r.done for r in self.rows))
+            self.version = pipe.version
+        elif poll:
+            self.next_poll = pipe.now + costs.weights_poll_s
+        while work.max_batch_rows - len(self.rows) >= work.group_size:
+            ticket = pipe.ledger.try_admit(self.version)
+            if ticket is None:
+                break
+            group = _Group(ticket, work.group_size)
+            self.rows += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
+            cost += costs.admit_s + costs.prefill(work.prompt_tokens)
+        finished: list[_Group] = []
+        if not self.rows:
+            if cost == 0:
+                self.busy = False
+                return  # wait for new weights or a reissued ticket (Pipeline.wake)
+            self._busy_for(cost * pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
+            return
+        context = sum(work.prompt_tokens + r.done for r in self.rows)
+        cost += costs.decode(len(self.rows), context)
+        for r in self.rows:
+            r.done += 1
+            r.group.tokens += 1
+            r.group.versions[self.version] += 1
+            if r.done == r.length:
+                r.group.rows_left -= 1
+                if r.group.rows_left == 0:
+                    finished.append(r.group)
+        self.rows = [r for r in self.rows if r.done < r.length]
+        cost += len(finished) * (work.group_size * costs.reward_per_sample_s + costs.spool_write_per_group_s)
+        self._busy_for(cost * pipe.slowdown(pipe.trainer_busy), finished)
+
+    def _busy_for(self, cost: float, finished: list[_Group]) -> None:
+        self.busy = True
+        self.busy_s += cost
+        life = self.life
+        self.pipe.at(self.pipe.now + cost, lambda: self._stepped(life, finished))
+
+    def _stepped(self, life: int, finished: list[_Group]) -> None:
+        if life != self.life:
+            return
+        for g in finished:  # still busy meanwhile: a wake from the trainer must not start a second step
+            self.pipe.offer(g)
+        self.busy = False
+        self._step()
+
+    # -- failures -----------------------------------------------------------------------------------
+    def _schedule_failure(self) -> None:
+        rate = self.work.rollout_failures_per_hour / 3600.0
+        life = self.life
+        self.pipe.at(self.pipe.now + self.pipe.rng.expovariate(rate), lambda: self._fail(life))
+
+    def _fail(self, life: int) -> None:
+        if life != self.life or not self.up:
+            return
+        self.life += 1
+        self.up, self.busy = False, False
+        self.pipe.failures += 1
+        lost = {id(r.group): r.group for r in self.rows}
+        self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
+        self.rows = []
+        if lost:
+            self.pipe.wake()
+        self.pipe.at(self.pipe.now + self.work.restart_s, self._restart)
+
+    def _restart(self) -> None:
+        self.up = True
+        self.version = -1  # a fresh process: it loads the current weights at its first step
+        self._schedule_failure()
+        self._step()
+
+
+def simulate(work: Workload, costs: Costs) -> Result:
+    """Play ``work`` with ``costs``; see the module docstring."""
+    return Pipeline(work, costs).run()

@@ -1,0 +1,120 @@
+"""The pipeline simulator against answers worked out by hand, and the protocol's invariants under it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hpcrl.sim import Costs, Pipeline, Workload, simulate
+
+# only what a test names costs anything
+ZERO = Costs(decode_s=0.0, decode_per_row_s=0.0, prefill_s=0.0, prefill_per_token_s=0.0, weights_load_s=0.0,
+             weights_poll_s=0.0, train_step_s=0.0, train_per_token_s=0.0, spool_per_group_s=0.0, publish_s=0.0,
+             colocated_publish_s=0.0)
+
+
+def assert_no_ticket_lost(pipe: Pipeline) -> None:
+    """Every ticket the ledger created was trained once, or is still on its way (in an engine, ready, reissued)."""
+    trained = pipe.trained_tickets
+    assert len(set(trained)) == len(trained)  # never trained twice
+    on_the_way = ({g.ticket for g in pipe.ready} | set(pipe.ledger.reissued)
+                  | {row.group.ticket for r in pipe.replicas for row in r.rows})
+    assert not on_the_way & set(trained)
+    assert set(trained) | on_the_way == set(range(pipe.ledger.created))
+
+
+def test_colocated_step_is_generation_then_training() -> None:
+    costs = dataclasses.replace(ZERO, decode_s=1e-3, decode_per_row_s=1e-4, decode_per_context_token_s=1e-6,
+                                prefill_s=2e-3, prefill_per_token_s=1e-5, reward_per_sample_s=3e-4,
+                                train_step_s=0.05, train_per_token_s=2e-5, spool_per_group_s=4e-4,
+                                colocated_publish_s=7e-3)
+    b, g, length, prompt, steps = 3, 4, 5, 6, 7
+    work = Workload(mode="colocated", max_staleness=0, steps=steps, batch_groups=b, group_size=g,
+                    response_tokens=(length,), prompt_tokens=prompt, max_batch_rows=64)
+    rows = b * g
+    decode = sum(1e-3 + 1e-4 * rows + 1e-6 * rows * (prompt + k) for k in range(length))
+    generate = b * (2e-3 + 1e-5 * prompt) + decode + b * g * 3e-4
+    train = 0.05 + 2e-5 * rows * (length + prompt) + 4e-4 * b + 7e-3
+    r = simulate(work, costs)
+    assert r.wall_s == pytest.approx(steps * (generate + train), rel=1e-9)
+    assert (r.samples, r.tokens) == (steps * rows, steps * rows * length)
+    assert r.staleness_hist == {0: steps * rows * length}  # synchronous: every token from the trained version
+    assert r.trainer_busy == pytest.approx(train / (generate + train))
+
+
+def test_an_unbounded_rollout_keeps_its_engine_full() -> None:
+    # one replica holding k groups decodes k*G samples every L steps of D seconds; the trainer is instant
+    k, g, length, d = 4, 8, 10, 0.01
+    work = Workload(max_staleness=16, steps=200, batch_groups=4, group_size=g, max_batch_rows=k * g,
+                    response_tokens=(length,))
+    r = simulate(work, dataclasses.replace(ZERO, decode_s=d))
+    assert r.samples_per_s == pytest.approx(k * g / (length * d), rel=0.01)
+    assert r.rollout_busy == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_slow_trainer_sets_the_pace_and_staleness_stays_within_the_bound() -> None:
+    b, g = 4, 8
+    work = Workload(max_staleness=2, steps=100, batch_groups=b, group_size=g, response_tokens=(3, 9, 27))
+    costs = dataclasses.replace(ZERO, decode_s=1e-4, train_step_s=0.2, publish_s=0.01)
+    r = simulate(work, costs)
+    assert r.samples_per_s == pytest.approx(b * g / 0.21, rel=0.02)
+    assert r.trainer_busy == pytest.approx(1.0, rel=0.02)
+    assert max(r.staleness_hist) <= 2
+
+
+def test_disaggregated_synchronous_matches_colocated_when_moving_weights_is_free() -> None:
+    base = dict(steps=20, batch_groups=4, group_size=4, response_tokens=(2, 5, 11), seed=3)
+    costs = Costs(weights_load_s=0.0, weights_poll_s=0.0, publish_s=1e-3, colocated_publish_s=1e-3)
+    colocated = simulate(Workload(mode="colocated", max_staleness=0, **base), costs)
+    disaggregated = simulate(Workload(max_staleness=0, **base), costs)
+    assert disaggregated.wall_s == pytest.approx(colocated.wall_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("eta", [1, 2, 4, 8])
+def test_asynchrony_overlaps_generation_and_training(eta: int) -> None:
+    base = dict(steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 20))
+    sync = simulate(Workload(max_staleness=0, **base), Costs())
+    run = simulate(Workload(max_staleness=eta, **base), Costs())
+    assert run.samples_per_s > 1.2 * sync.samples_per_s
+    assert max(run.staleness_hist) <= eta  # what is older is set aside, never trained
+    keep = simulate(Workload(max_staleness=eta, kv_on_update="keep", **base), Costs())
+    assert keep.samples_per_s > run.samples_per_s  # no prefill rebuilding the cache after each version
+
+
+def test_failed_replicas_lose_their_groups_and_every_ticket_is_trained_once() -> None:
+    work = Workload(max_staleness=2, steps=60, batch_groups=4, group_size=4, replicas=3, response_tokens=(5, 40),
+                    rollout_failures_per_hour=3600 * 2, restart_s=0.3)  # about two failures a second each
+    pipe = Pipeline(work, Costs())
+    r = pipe.run()
+    assert r.failures > 10 and r.samples == 60 * 4 * 4
+    assert_no_ticket_lost(pipe)  # the failed replicas' groups were reissued and trained once
+    calm = simulate(dataclasses.replace(work, rollout_failures_per_hour=0.0), Costs())
+    assert calm.samples_per_s > r.samples_per_s
+
+
+def test_the_same_seed_gives_the_same_run_and_shared_cores_slow_both_sides() -> None:
+    work = Workload(max_staleness=2, response_tokens=(1, 4, 16), seed=5)
+    assert simulate(work, Costs()) == simulate(work, Costs())
+    shared = dataclasses.replace(work, shared_cores=True)
+    alone = simulate(shared, Costs())  # shared_slowdown 1: sharing costs nothing
+    slowed = simulate(shared, dataclasses.replace(Costs(), shared_slowdown=1.5))
+    assert alone == simulate(work, Costs())
+    assert slowed.samples_per_s < alone.samples_per_s
+
+
+def test_a_workload_the_bound_cannot_serve_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_rows"):
+        Workload(group_size=8, max_batch_rows=4)
+    with pytest.raises(ValueError, match="colocated"):
+        Workload(mode="colocated", max_staleness=2)
+
+
+def test_a_group_that_went_stale_is_set_aside_and_its_ticket_generated_again() -> None:
+    # a long group admitted early finishes after its slot's step: at eta = 1 it is too old when it arrives
+    work = Workload(max_staleness=1, steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 20))
+    pipe = Pipeline(work, Costs())
+    r = pipe.run()
+    assert r.dropped_groups > 0 and max(r.staleness_hist) <= 1
+    assert r.samples == 40 * 8 * 8
+    assert_no_ticket_lost(pipe)
