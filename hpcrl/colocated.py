@@ -84,6 +84,7 @@ def _run(run_dir: Path) -> None:
         log.warning("stopped (%s): checkpoint committed, exiting for a restart", e)
         raise SystemExit(EXIT_REQUEUE) from None
     finally:
+        feed.close()
         reporter.close()
         runner.close()
         try:

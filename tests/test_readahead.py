@@ -43,8 +43,10 @@ def test_a_claimed_file_is_read_once_by_the_worker_and_handed_over(tmp_path: Pat
     try:
         ahead.kick()
         wait_for(lambda: len(ahead) == 3)  # the limit: three of the five
-        time.sleep(0.05)
+        passes = ahead.passes
+        wait_for(lambda: ahead.passes >= passes + 2)  # listed again meanwhile: still three kept, none read again
         assert len(ahead) == 3 and len(reader.paths) == 3
+        ahead.hold()  # as the feed does before it claims
         for entry in spool.claim(spool.ready()):
             assert_same_group(spool.load(entry, ahead.read), written[entry.ticket])
         assert (ahead.hits, ahead.misses) == (3, 2)
@@ -61,6 +63,7 @@ def test_another_file_under_the_same_name_is_read_again(tmp_path: Path) -> None:
     try:
         ahead.kick()
         wait_for(lambda: len(ahead) == 1)
+        ahead.hold()
         replacement = make_group(ticket=1, seed=1)
         replacement.samples[0].reward = 42.0  # same name (ticket, versions, writer), other content
         os.unlink(path)
@@ -70,6 +73,31 @@ def test_another_file_under_the_same_name_is_read_again(tmp_path: Path) -> None:
         assert (ahead.hits, ahead.misses) == (0, 1)
     finally:
         ahead.close()
+
+
+def test_a_file_that_changes_hands_while_it_is_parsed_is_not_kept(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    first, second = make_group(ticket=1, seed=1), make_group(ticket=1, seed=1)
+    second.samples[0].reward = 42.0
+    path = spool.publish(first)
+
+    def claim_and_republish_then_read(p: Path) -> TrajectoryGroup:
+        if Path(p).parent == spool.ready_dir and not spool.claimed():  # between the worker's stat and its read:
+            spool.claim(spool.ready())  # the trainer claims the first file,
+            spool.publish(second)  # a second with the same name is published
+            ahead.hold()  # (and the trainer goes on to its next claim: no further pass)
+        return read_group(p)
+
+    ahead = ReadAhead(spool.ready_dir, limit=8, reader=claim_and_republish_then_read)
+    try:
+        ahead.kick()
+        wait_for(lambda: ahead.passes >= 1)
+        assert len(ahead) == 0  # parsed the second file under the first one's identity: not kept
+        assert_same_group(ahead.read(spool.claimed()[0].path), first)
+        assert (ahead.hits, ahead.misses) == (0, 1)
+    finally:
+        ahead.close()
+    assert path.exists()  # the second file, still ready
 
 
 def _ledger_and_groups(tmp_path: Path, n: int) -> tuple[AdmissionLedger, list[TrajectoryGroup]]:
@@ -87,21 +115,21 @@ def _ledger_and_groups(tmp_path: Path, n: int) -> tuple[AdmissionLedger, list[Tr
 def test_the_feed_reads_the_next_batch_during_the_step_and_quarantines_as_before(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
     ledger, groups = _ledger_and_groups(tmp_path, 5)
-    for g in groups[:2]:
+    for g in groups:
         spool.publish(g)
+    bad = spool.ready()[2].path
+    bad.write_bytes(b"not HDF5 at all")  # ticket 2's file, corrupted after publication
     feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5, read_ahead=True)
     try:
-        assert [g.ticket for g in feed.next_batch(0)] == [0, 1]  # nothing was ready before: read at the claim
+        assert [g.ticket for g in feed.next_batch(0)] == [0, 1]  # no step trained before: read at the claim
         assert (feed.ahead.hits, feed.ahead.misses) == (0, 2) and feed.spool_s > 0
         feed.commit(0)
-        for g in groups[2:]:
-            spool.publish(g)
-        bad = spool.ready_dir / spool.ready()[0].name
-        bad.write_bytes(b"not HDF5 at all")  # ticket 2's file, corrupted after publication
-        feed.ahead.kick()
-        wait_for(lambda: len(feed.ahead) == 2)  # tickets 3 and 4; ticket 2's file is left alone
+        wait_for(lambda: len(feed.ahead) == 2)  # during "step 0": tickets 3 and 4; ticket 2's file is left alone
         assert [g.ticket for g in feed.next_batch(1)] == [3, 4]
         assert (feed.ahead.hits, feed.ahead.misses) == (2, 3)
+        timings, counts = feed.step_report()
+        assert timings["spool"] == feed.spool_s and timings["read_ahead"] > 0
+        assert counts == {"spool/read_ahead_hits": 2, "spool/read_ahead_misses": 3}
         assert [e.ticket for e in spool.quarantined()] == [2]
         assert "unreadable" in spool.reason(spool.quarantined()[0])["reason"]
         assert ledger.dropped() == {2: "quarantined"}

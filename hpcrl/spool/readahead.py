@@ -6,10 +6,12 @@ the step starts is time the accelerator waits. ``ReadAhead`` reads the files
 of the next batch during the current step instead, without taking them:
 
 * Lifecycle: the trainer's :class:`~hpcrl.trainer.feed.BatchFeed` (rank 0)
-  owns one and calls :meth:`kick` once a batch is taken. The worker thread
-  (a daemon, started on the first kick) lists ``ready/`` once and parses the
-  files it has not parsed yet, oldest first, at most ``limit`` of them, then
-  sleeps until the next kick. :meth:`close` stops it.
+  owns one, calls :meth:`kick` when a step starts training and :meth:`hold`
+  when the next one starts taking its batch. Between the two the worker
+  thread (a daemon, started on the first kick) lists ``ready/`` every
+  ``relist_s`` and parses the files it has not parsed yet, in the order the
+  trainer takes them (head version, then ticket), at most ``limit`` kept at
+  once; held, it sleeps. :meth:`close` stops it (the trainer's exit).
 * It moves, claims and quarantines nothing, and writes nothing: what the
   trainer decides (which files, against which version, what is stale or
   invalid) is decided at claim time exactly as without it. A file it cannot
@@ -18,16 +20,22 @@ of the next batch during the current step instead, without taking them:
 * :meth:`read` (the trainer's read of a claimed file) returns the parsed
   group only if the file at that path is the very file that was parsed:
   same device, inode, size and modification time (a claim is a rename, which
-  keeps them). Anything else, or a file not parsed yet, is read there and
-  then, as before. A spool file is immutable once published (written to
-  ``tmp/``, closed, renamed), so its identity stands for its content.
+  keeps them), taken before and again after the parse, so a file that changed
+  hands while it was read is not kept. Anything else, or a file not parsed
+  yet, is read there and then, as before. A spool file is immutable once
+  published (written to ``tmp/``, closed, renamed), so its identity stands
+  for its content.
 
-Costs: one listing of ``ready/`` per step and one ``stat`` per file read
-ahead, on the shared filesystem's metadata server (the open and the read
-move from the step to the worker). The worker holds the GIL while it parses
-(h5py does not release it), so on a CPU-only trainer it competes with the
-training loop's Python; on an accelerator the loop mostly waits on the
-device and the reads overlap.
+Costs: a listing of ``ready/`` every ``relist_s`` while a step trains and
+two ``stat`` per file read ahead, on the shared filesystem's metadata
+server, and one ``stat`` per claimed file in the step (the open and the
+read move from the step to the worker; on Lustre a stat also asks the
+object servers for the size, so what a hit saves is mostly the parse). The
+worker holds the GIL while it parses (h5py does not release it), so on a
+CPU-only trainer it competes with the training loop's Python; on an
+accelerator the loop mostly waits on the device and the reads overlap.
+``busy_s``, ``hits`` and ``misses`` say what it did (the trainer reports
+them per step).
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from hpcrl.spool.format import TrajectoryGroup, read_group
+from hpcrl.spool.format import TrajectoryGroup, parse_name, read_group
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +66,20 @@ class _Identity(NamedTuple):
 class ReadAhead:
     """Parse ``ready/`` files ahead of their claim; hand the parsed group over when the same file is read."""
 
-    def __init__(self, ready_dir: Path, limit: int, reader: Callable[[Path], TrajectoryGroup] = read_group) -> None:
+    def __init__(self, ready_dir: Path, limit: int, reader: Callable[[Path], TrajectoryGroup] = read_group,
+                 relist_s: float = 0.05) -> None:
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
-        self.ready_dir, self.limit, self._reader = Path(ready_dir), limit, reader
+        self.ready_dir, self.limit, self.relist_s, self._reader = Path(ready_dir), limit, relist_s, reader
         self._parsed: dict[str, tuple[_Identity, TrajectoryGroup]] = {}  # file name -> (identity, group)
+        self._failed: set[str] = set()  # names that did not parse: left to the claim, not parsed again
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
+        self._cond = threading.Condition(self._lock)
+        self._active = self._stop = False
         self._thread: threading.Thread | None = None
+        self.busy_s = 0.0  # the worker's time listing and parsing
         self.hits = self.misses = 0  # reads served from the worker's parse / read there and then
+        self.passes = 0  # listings of ready/ the worker finished
 
     def __len__(self) -> int:
         """How many parsed groups wait for their file's read."""
@@ -74,11 +87,18 @@ class ReadAhead:
             return len(self._parsed)
 
     def kick(self) -> None:
-        """Parse what is in ``ready/`` now (in the background; returns at once)."""
+        """A step starts training: read ahead (in the background; returns at once) until :meth:`hold`."""
+        with self._cond:
+            self._active = True
+            self._cond.notify()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="spool-read-ahead", daemon=True)
             self._thread.start()
-        self._wake.set()
+
+    def hold(self) -> None:
+        """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
+        with self._cond:
+            self._active = False
 
     def read(self, path: Path) -> TrajectoryGroup:
         """The group in ``path``: the worker's parse if it is the same file, else read now."""
@@ -95,46 +115,70 @@ class ReadAhead:
         self.misses += 1
         return self._reader(Path(path))
 
-    def close(self) -> None:
-        """Stop the worker (waits for the file it is parsing)."""
-        self._stop = True
-        self._wake.set()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker: wait up to ``timeout_s`` for the file it is parsing (a daemon: it cannot block exit)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
             self._thread = None
         with self._lock:
             self._parsed.clear()
 
     def _work(self) -> None:
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
+            with self._cond:
+                while not self._active and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            t0 = time.perf_counter()
             try:
                 self._pass()
             except Exception:  # never let the worker die: the trainer reads for itself meanwhile
                 log.exception("spool read-ahead pass failed; the trainer reads the files itself")
+            self.busy_s += time.perf_counter() - t0
+            self.passes += 1
+            with self._cond:
+                if self._active and not self._stop:
+                    self._cond.wait(self.relist_s)  # files published during the step: list again
 
     def _pass(self) -> None:
+        if not self._active:
+            return
         try:
-            names = sorted(os.listdir(self.ready_dir))  # canonical names sort by ticket
+            names = os.listdir(self.ready_dir)
         except FileNotFoundError:
             return
-        listed = set(names)
-        with self._lock:  # files no longer ready were claimed or set aside: their parse will not be asked for
-            for name in [n for n in self._parsed if n not in listed]:
-                del self._parsed[name]
-            todo = [n for n in names if n.endswith(".h5") and n not in self._parsed]
+        listed = {}
+        for name in names:
+            info = parse_name(name)
+            if info is not None:
+                listed[name] = (info.min_version, info.ticket)
+        with self._lock:
+            todo = sorted((n for n in listed if n not in self._parsed and n not in self._failed), key=listed.get)
+            if len(self._parsed) + len(todo) > self.limit:
+                # room needed: a kept parse whose file left ready/ otherwise than by a claim that reads it (set
+                # aside, released) is never asked for. Only when room is needed, because a file the trainer has
+                # just claimed has left ready/ too and is about to be asked for.
+                for name in [n for n in self._parsed if n not in listed]:
+                    del self._parsed[name]
+            self._failed &= listed.keys()
             room = self.limit - len(self._parsed)
         for name in todo[:max(room, 0)]:
-            if self._stop or self._wake.is_set():  # a newer kick: list again
+            if self._stop or not self._active:  # the trainer is taking its batch: out of its way
                 return
             path = self.ready_dir / name
             try:
                 before = _Identity.of(os.stat(path))
                 group = self._reader(path)
-            except Exception:  # vanished (claimed meanwhile) or invalid: the trainer's read will tell
+                after = _Identity.of(os.stat(path))
+            except FileNotFoundError:  # claimed or set aside meanwhile
                 continue
-            with self._lock:
-                self._parsed[name] = (before, group)
+            except Exception:  # invalid: the trainer's read finds out and quarantines it with the reason
+                self._failed.add(name)
+                continue
+            if before == after:  # else it changed hands while it was parsed: not kept
+                with self._lock:
+                    self._parsed[name] = (before, group)

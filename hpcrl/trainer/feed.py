@@ -37,7 +37,8 @@ with ``trainer.read_ahead`` (default on) a :class:`~hpcrl.spool.readahead.ReadAh
 parses the ready files during the step, deciding nothing, and the claim
 takes its parse when the claimed file is the one it read. ``spool_s`` is the
 time the last :meth:`BatchFeed.next_batch` spent on the spool and the ledger
-(claims, reads, checks; its waits for rollouts left out).
+(claims, reads, checks; its waits for rollouts left out); :meth:`BatchFeed.step_report`
+adds what the read-ahead did meanwhile.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class BatchFeed:
         self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
         self._read = self.ahead.read if self.ahead is not None else read_group
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
+        self._ahead_seen = (0.0, 0, 0)  # the read-ahead's (busy_s, hits, misses) at the last step_report
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._pending: list[SpoolEntry] = []
@@ -146,6 +148,8 @@ class BatchFeed:
         start = time.monotonic()
         deadline, waited = start + self.timeout_s, 0.0
         self._batch = set()
+        if self.ahead is not None:
+            self.ahead.hold()  # out of the claim's way
         while len(groups) < self.batch_size:
             fresh = self._eligible(version)[: self.batch_size - len(groups)]
             for entry in self.spool.claim(fresh):
@@ -180,6 +184,22 @@ class BatchFeed:
             self.ahead.kick()  # the next batch's files are read while this one trains
         self.spool_s = time.monotonic() - start - waited
         return groups
+
+    def step_report(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The last batch's timings (``spool``: its time on the spool and the ledger, waits left out; with the
+        read-ahead, ``read_ahead``: the worker's seconds since the last report, off the loop) and counts
+        (``spool/read_ahead_hits``, ``spool/read_ahead_misses``: files handed over / read at the claim)."""
+        if self.ahead is None:
+            return {"spool": self.spool_s}, {}
+        now = (self.ahead.busy_s, self.ahead.hits, self.ahead.misses)
+        last, self._ahead_seen = self._ahead_seen, now
+        return ({"spool": self.spool_s, "read_ahead": now[0] - last[0]},
+                {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2]})
+
+    def close(self) -> None:
+        """Stop the read-ahead's worker (the trainer's exit)."""
+        if self.ahead is not None:
+            self.ahead.close()
 
     def _eligible(self, version: int) -> list[SpoolEntry]:
         out = []

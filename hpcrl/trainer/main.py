@@ -102,11 +102,12 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             raise Fenced(f"owner epoch {fence.epoch} was replaced before step {version + 1} was published")
         t3 = time.time()
         if reporter:
-            extra = {"groups/uniform": n_uniform, "version": version + 1,
+            spool_timings, spool_counts = feed.step_report() if feed else ({}, {})
+            extra = {"groups/uniform": n_uniform, "version": version + 1, **spool_counts,
                      "memory/peak_mb": device_of(ctx.device).peak_memory_bytes() / 2**20,
                      **{f"groups/dropped_{k}": v for k, v in feed.dropped.items()}}
             timings = {"wait": t1 - t0, "update": t2 - t1, "publish": t3 - t2 - t_commit, "commit": t_commit,
-                       "spool": feed.spool_s if feed else 0.0, "step": time.time() - t0}  # spool: part of wait
+                       **spool_timings, "step": time.time() - t0}  # spool: part of wait
             reporter.step(version + 1, groups, stats, timings, state, extra)
         if heartbeat:
             heartbeat.beat(version=version + 1)
@@ -260,6 +261,8 @@ def _run(run_dir: Path) -> None:
             request_slurm_requeue()
         raise SystemExit(EXIT_REQUEUE) from None
     finally:
+        if feed:
+            feed.close()
         if weights:
             weights.close()
         if reporter:
