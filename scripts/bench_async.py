@@ -28,8 +28,10 @@ For each run it reports trained samples/s and tokens/s and their ratio to
 rollout engine and of the trainer, the share of trainer wall time spent
 publishing weights, the spool + admission overhead (the trainer's own
 time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
-its waits for rollouts left out; ``spool_read_share`` is what re-reading every
-trained file afterwards costs, the reads alone), and the staleness
+its waits for rollouts left out; ``read_ahead_share`` is the read-ahead
+worker's time, off the loop but on the same cores, with the share of reads it
+served; ``spool_read_share`` is what re-reading every trained file afterwards
+costs, the reads alone), and the staleness
 histogram of the trained tokens, and where the generating process's time goes
 (decode, prefill of admitted rows, cache rebuild after new weights, reward,
 spool writing, admission ledger, weight transfer, idle). Writes ``bench/results.json`` and
@@ -108,13 +110,16 @@ def analyse(run_dir: Path) -> dict:
     records = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in records if "time/step_s" in r]
     loop = sum(r["time/step_s"] for r in steps)
-    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps) for k in ("wait", "update", "publish", "commit", "spool")}
+    tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps)
+           for k in ("wait", "update", "publish", "commit", "spool", "read_ahead")}
+    hits, misses = (sum(r.get(f"spool/read_ahead_{k}", 0) for r in steps) for k in ("hits", "misses"))
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
     hist, read_s, n_files = spool_scan(run_dir)
     out = {"steps": len(steps), "samples": samples, "tokens": tokens, "trainer_loop_s": loop,
            "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
            "trainer_busy": (tot["update"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
            "commit_share": tot["commit"] / loop, "spool_share": tot["spool"] / loop,
+           "read_ahead_share": tot["read_ahead"] / loop, "read_ahead_hit_rate": hits / max(hits + misses, 1),
            "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
            "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),
@@ -200,7 +205,9 @@ def main() -> None:
             r["wall_s"] = time.time() - t0
             print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
                   f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
-                  f"  spool+admission {100 * r['spool_admission_share']:.1f}%  wall {r['wall_s']:.0f}s", flush=True)
+                  f"  spool+admission {100 * r['spool_admission_share']:.1f}% (read-ahead off the loop "
+                  f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
+                  f"  wall {r['wall_s']:.0f}s", flush=True)
             split = r.get("rollout_time_split")
             if split:
                 print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)

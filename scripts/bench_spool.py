@@ -189,9 +189,10 @@ def main() -> None:
         print(f"{label:<42}{unit:>11}{res[k]['median_us']:>11.1f}{res[k]['min_us']:>9.1f}")
     step_ms = res["step_trainer"]["median_us"] / 1e3
     print(f"trainer-side spool share of a 350-450 ms step: {step_ms / 450:.2%} - {step_ms / 350:.2%}")
-    # scripts/bench_async.py's spool_admission_share: commit time + read_group of every trained file
+    # what reading and committing a batch costs when nothing is read ahead (bench_async's spool_read_share +
+    # commit_share; its spool_admission_share is the trainer's own time/spool_s + time/commit_s)
     async_ms = args.batch * (res["mark_trained"]["median_us"] + res["read_group"]["median_us"]) / 1e3
-    print(f"bench_async's measure (B x (mark_trained + read_group)) = {async_ms:.2f} ms per step: "
+    print(f"reading + committing a batch (B x (mark_trained + read_group)) = {async_ms:.2f} ms per step: "
           f"{async_ms / 450:.2%} - {async_ms / 350:.2%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": res}, indent=1) + "\n")
