@@ -118,3 +118,23 @@ def test_a_group_that_went_stale_is_set_aside_and_its_ticket_generated_again() -
     assert r.dropped_groups > 0 and max(r.staleness_hist) <= 1
     assert r.samples == 40 * 8 * 8
     assert_no_ticket_lost(pipe)
+
+
+def test_the_command_sweeps_a_setting_and_refuses_unknown_ones(tmp_path, capsys) -> None:
+    from hpcrl.sim.__main__ import main
+
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"train_step_s": 0.1}')
+    out = tmp_path / "rows.json"
+    main(["--costs", str(costs), "--sweep", "max_staleness=0,4", "steps=30", "response_tokens=2/8/32",
+          "--json", str(out)])
+    rows = __import__("json").loads(out.read_text())
+    assert [r["setting"] for r in rows["rows"]] == [{"max_staleness": "0"}, {"max_staleness": "4"}]
+    assert rows["costs"]["train_step_s"] == 0.1 and rows["workload"]["response_tokens"] == [2, 8, 32]
+    assert rows["rows"][1]["samples_per_s"] > rows["rows"][0]["samples_per_s"]
+    assert "max_staleness" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown setting 'nope'"):
+        main(["nope=1"])
+    with pytest.raises(SystemExit, match="colocated"):
+        main(["mode=colocated", "max_staleness=2"])
+    main(["mode=colocated", "max_staleness=0", "steps=3"])  # settings apply together, in any order
