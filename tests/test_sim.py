@@ -34,7 +34,7 @@ def test_colocated_step_is_generation_then_training() -> None:
                     response_tokens=(length,), prompt_tokens=prompt, max_batch_rows=64)
     rows = b * g
     decode = sum(1e-3 + 1e-4 * rows + 1e-6 * rows * (prompt + k) for k in range(length))
-    generate = b * (2e-3 + 1e-5 * prompt) + decode + b * g * 3e-4
+    generate = (2e-3 + 1e-5 * b * prompt) + decode + b * g * 3e-4  # the B groups admitted in one prefill call
     train = 0.05 + 2e-5 * rows * (length + prompt) + 4e-4 * b + 7e-3
     r = simulate(work, costs)
     assert r.wall_s == pytest.approx(steps * (generate + train), rel=1e-9)
@@ -112,7 +112,7 @@ def test_a_workload_the_bound_cannot_serve_is_refused() -> None:
 
 def test_a_group_that_went_stale_is_set_aside_and_its_ticket_generated_again() -> None:
     # a long group admitted early finishes after its slot's step: at eta = 1 it is too old when it arrives
-    work = Workload(max_staleness=1, steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 20))
+    work = Workload(max_staleness=1, steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 40))
     pipe = Pipeline(work, Costs())
     r = pipe.run()
     assert r.dropped_groups > 0 and max(r.staleness_hist) <= 1

@@ -24,8 +24,8 @@ class Costs:
     decode_s: float = 2e-3
     decode_per_row_s: float = 5e-5
     decode_per_context_token_s: float = 0.0
-    # prefill: one call per admitted group (its prompt once, shared by the group's rows) and, after new weights in
-    # recompute mode, one call over every in-flight row's prompt and generated tokens
+    # prefill: one call for the groups admitted in one step (each group's prompt once, shared by its rows) and,
+    # after new weights in recompute mode, one call over every in-flight row's prompt and generated tokens
     prefill_s: float = 2e-3
     prefill_per_token_s: float = 2e-5
     reward_per_sample_s: float = 0.0  # scoring a finished sample, on the generating thread

@@ -15,8 +15,9 @@ measured:
   ``G`` free rows.
 * **A replica** runs engine steps back to back: look for new weights every
   ``weights_poll_s`` (load them; in ``recompute`` mode prefill every
-  in-flight row's prompt and tokens again), admit what fits (one prefill per
-  group), decode one token on every active row. A finished group is scored
+  in-flight row's prompt and tokens again), admit what fits (one prefill call
+  for the groups admitted together, each group's prompt once), decode one
+  token on every active row. A finished group is scored
   and handed to the spool at the end of the step. With nothing to decode and
   no ticket it waits for the next version.
 * **The trainer** takes ``B`` ready groups whose oldest token is at most
@@ -205,13 +206,16 @@ class _Replica:
             self.version = pipe.version
         elif poll:
             self.next_poll = pipe.now + costs.weights_poll_s
+        admitted = 0
         while work.max_batch_rows - len(self.rows) >= work.group_size:
             ticket = pipe.ledger.try_admit(self.version)
             if ticket is None:
                 break
             group = _Group(ticket, work.group_size)
             self.rows += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
-            cost += costs.admit_s + costs.prefill(work.prompt_tokens)
+            admitted += 1
+        if admitted:  # one prefill call for what was admitted together, each group's prompt once
+            cost += admitted * costs.admit_s + costs.prefill(admitted * work.prompt_tokens)
         finished: list[_Group] = []
         if not self.rows:
             if cost == 0:
