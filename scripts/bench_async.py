@@ -128,6 +128,8 @@ def analyse(run_dir: Path) -> dict:
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())
         out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
+        out["rollout_wall_s"] = rs["wall_s"]
+        out["rollout_weight_updates"] = rs.get("weight_updates")
         out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]
         out["rollout_transfer"] = rs.get("transfer")
