@@ -52,6 +52,7 @@ from pathlib import Path
 from _bench import ROOT, pyplot, submit
 
 sys.path.insert(0, str(ROOT))
+from hpcrl.config import load_saved  # noqa: E402
 from hpcrl.metrics.writer import read_evals  # noqa: E402
 
 TASK = ["data.synthetic=reverse", "rollout.max_new_tokens=26", "sft.target_accuracy=0.2", "eval.at_start=false",
@@ -123,13 +124,18 @@ def analyse(run_dir: Path) -> dict:
            "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
            "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),
-           "reward_mean": sum(r["reward/mean"] for r in steps) / len(steps)}
+           "reward_mean": sum(r["reward/mean"] for r in steps) / len(steps),
+           # groups left out of the loss (all rewards equal) and the step's training time: the simulator's inputs
+           "uniform_share": (sum(r.get("groups/uniform", 0) for r in steps)
+                             / (len(steps) * load_saved(run_dir).admission.batch_size)),
+           "update_s_per_step": tot["update"] / len(steps)}
     stats_file = run_dir / "logs" / "rollout-0.stats.json"
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())
         out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
+        out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
         out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]
         out["rollout_transfer"] = rs.get("transfer")
@@ -141,7 +147,8 @@ def analyse(run_dir: Path) -> dict:
         out["rollout_admit_spool_share"] = None
         colo = run_dir / "logs" / "colocated.stats.json"
         if colo.exists():  # shares of the generating time (the trainer loop's waits)
-            out["rollout_time_split"] = time_split(json.loads(colo.read_text()), tot["wait"])
+            out["rollout_stats"] = json.loads(colo.read_text())
+            out["rollout_time_split"] = time_split(out["rollout_stats"], tot["wait"])
     # what the trainer's loop spent on the spool and the ledger: taking the batch (claims, reads or the read-ahead's
     # hand-overs, ledger checks; its waits left out) and committing it
     out["spool_admission_share"] = out["commit_share"] + out["spool_share"]

@@ -19,7 +19,8 @@ def assert_no_ticket_lost(pipe: Pipeline) -> None:
     trained = pipe.trained_tickets
     assert len(set(trained)) == len(trained)  # never trained twice
     on_the_way = ({g.ticket for g in pipe.ready} | set(pipe.ledger.reissued)
-                  | {row.group.ticket for r in pipe.replicas for row in r.rows})
+                  | {row.group.ticket for r in pipe.replicas for row in r.rows}
+                  | {g.ticket for r in pipe.replicas if r.busy for g in r._finishing})  # finished in a running step
     assert not on_the_way & set(trained)
     assert set(trained) | on_the_way == set(range(pipe.ledger.created))
 
@@ -108,6 +109,17 @@ def test_a_workload_the_bound_cannot_serve_is_refused() -> None:
         Workload(group_size=8, max_batch_rows=4)
     with pytest.raises(ValueError, match="colocated"):
         Workload(mode="colocated", max_staleness=2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_ticket_is_lost_whatever_fails_when(seed: int) -> None:
+    for eta in (0, 1, 3):
+        work = Workload(max_staleness=eta, steps=30, batch_groups=4, group_size=4, replicas=3, uniform_share=0.3,
+                        response_tokens=(2, 5, 40), rollout_failures_per_hour=3600 * 3, restart_s=0.2, seed=seed)
+        pipe = Pipeline(work, Costs())
+        r = pipe.run()
+        assert_no_ticket_lost(pipe)
+        assert max(r.staleness_hist) <= eta
 
 
 def test_a_group_that_went_stale_is_set_aside_and_its_ticket_generated_again() -> None:

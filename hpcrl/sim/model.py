@@ -40,6 +40,8 @@ class Costs:
     publish_s: float = 5e-3  # publishing one version (collective or disk)
     # one process doing both on the same cores (colocated): its publish is an in-memory load instead
     colocated_publish_s: float = 1e-3
+    # colocated: the trainer's feed looks at the spool between two engine steps while it waits for its batch
+    colocated_pass_s: float = 0.0
     # disaggregated components sharing one machine's cores: each of their costs is multiplied by this while both
     # run there (1: separate accelerators, as on a cluster)
     shared_slowdown: float = 1.0
@@ -75,6 +77,9 @@ class Workload:
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
     response_tokens: tuple[int, ...] = (8,)
+    # share of groups whose samples all got the same reward: GRPO leaves them out of the loss
+    # (algo.drop_uniform_groups), so the trainer reads them but does not train their tokens
+    uniform_share: float = 0.0
     seed: int = 0
     shared_cores: bool = False  # disaggregated components on one machine's cores (Costs.shared_slowdown applies)
     # failures: each replica fails as a Poisson process of this rate per hour and comes back after restart_s; its
@@ -94,6 +99,8 @@ class Workload:
             raise ValueError(f"response_tokens: a non-empty list of lengths >= 1, got {self.response_tokens}")
         if self.mode == "colocated" and (self.max_staleness != 0 or self.replicas != 1):
             raise ValueError("colocated: one process alternates generation and training (max_staleness 0, 1 replica)")
+        if not 0.0 <= self.uniform_share < 1.0:
+            raise ValueError(f"uniform_share: must be in [0, 1), got {self.uniform_share}")
         if self.rollout_failures_per_hour < 0 or self.restart_s < 0:
             raise ValueError("rollout_failures_per_hour and restart_s: must be >= 0")
 

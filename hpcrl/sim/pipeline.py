@@ -21,7 +21,8 @@ measured:
   and handed to the spool at the end of the step. With nothing to decode and
   no ticket it waits for the next version.
 * **The trainer** takes ``B`` ready groups whose oldest token is at most
-  ``eta`` versions behind, oldest first, trains, publishes, and wakes the
+  ``eta`` versions behind, oldest first, trains the tokens of those that are
+  not uniform (``Workload.uniform_share``), publishes, and wakes the
   waiting replicas; a group that went stale is set aside and its ticket
   reissued.
 * **Colocated** (``Workload.mode``): one process alternates, which is the
@@ -146,7 +147,8 @@ class Pipeline:
         self.ready.sort(key=lambda g: (g.min_version, g.ticket))
         batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
         g_size = self.work.group_size
-        tokens = sum(g.tokens for g in batch) + len(batch) * g_size * self.work.prompt_tokens
+        trained = [g for g in batch if self.rng.random() >= self.work.uniform_share]  # uniform groups: no loss
+        tokens = sum(g.tokens for g in trained) + len(trained) * g_size * self.work.prompt_tokens
         publish = self.costs.colocated_publish_s if self.colocated else self.costs.publish_s
         cost = (self.costs.train(tokens, len(batch)) + publish) * self.slowdown(any(r.busy for r in self.replicas))
         self.trainer_busy = True
@@ -184,6 +186,7 @@ class _Replica:
         self.busy_s = 0.0
         self.next_poll = 0.0
         self.life = 0  # bumped at each failure: events of an earlier life are ignored
+        self._finishing: list[_Group] = []
 
     def start(self) -> None:
         if self.work.rollout_failures_per_hour > 0:
@@ -224,7 +227,7 @@ class _Replica:
             self._busy_for(cost * pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
             return
         context = sum(work.prompt_tokens + r.done for r in self.rows)
-        cost += costs.decode(len(self.rows), context)
+        cost += costs.decode(len(self.rows), context) + (costs.colocated_pass_s if pipe.colocated else 0.0)
         for r in self.rows:
             r.done += 1
             r.group.tokens += 1
@@ -240,6 +243,7 @@ class _Replica:
     def _busy_for(self, cost: float, finished: list[_Group]) -> None:
         self.busy = True
         self.busy_s += cost
+        self._finishing = finished  # done by this step, handed over at its end: lost if the replica fails first
         life = self.life
         self.pipe.at(self.pipe.now + cost, lambda: self._stepped(life, finished))
 
@@ -261,11 +265,12 @@ class _Replica:
         if life != self.life or not self.up:
             return
         self.life += 1
+        # the groups in its engine, and those its running step finished but has not handed over yet
+        lost = {id(g): g for g in [r.group for r in self.rows] + (self._finishing if self.busy else [])}
         self.up, self.busy = False, False
         self.pipe.failures += 1
-        lost = {id(r.group): r.group for r in self.rows}
         self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
-        self.rows = []
+        self.rows, self._finishing = [], []
         if lost:
             self.pipe.wake()
         self.pipe.at(self.pipe.now + self.work.restart_s, self._restart)

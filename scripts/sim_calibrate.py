@@ -1,0 +1,382 @@
+"""Measure this machine's cost model for the pipeline simulator, then check the simulator against bench_async.
+
+    python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~3 minutes
+    python scripts/sim_calibrate.py --costs bench/sim_costs.json --check bench/results.json
+
+Measuring runs the pieces of ``scripts/bench_async.py``'s task (the reverse
+task's lengths, the tiny model, B = 16 groups of G = 8, 64 engine rows), each
+alone, with 1 and with 2 torch threads, in fresh processes:
+
+* the embedded engine (``TorchEngine``): every decode step's time against its
+  rows and their context tokens over a grid of batch sizes (least squares for
+  ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
+  prefill of admitted groups and of the cache rebuilt after new weights
+  against tokens (``prefill_*``); loading a state dict (``weights_load_s``);
+* the FSDP2 trainer on one gloo rank: ``train_step`` on batches of the
+  task's lengths scaled x1 and x2 (``train_step_s``, ``train_per_token_s``)
+  and handing its weights to an engine in the same process
+  (``colocated_publish_s``);
+* the spool and the ledger: the trainer's claim + read + commit per group
+  without read-ahead (``spool_per_group_s``) and a ticket (``admit_s``);
+* ``shared_slowdown``: decode steps while another process trains, and train
+  steps while another process decodes, against each alone (the mean).
+
+What crosses processes is taken from the run being checked (``--check``):
+the trainer's publish time per step (``time/publish_s``: collective or disk)
+and the rollout's weight receive + load per version. ``--check`` then plays
+every mode of the results file in the simulator and prints the predicted
+ratio to ``colocated_t1`` next to the measured one (target: within 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from _bench import ROOT
+
+sys.path.insert(0, str(ROOT))
+from hpcrl.data.longtail import MIN_LEN, length_weights  # noqa: E402
+from hpcrl.sim import Costs, Workload, simulate  # noqa: E402
+
+B, G, ROWS, MAX_NEW = 16, 8, 64, 26
+MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
+
+
+def task_lengths(n: int = 4096, seed: int = 0) -> tuple[list[int], float]:
+    """Response tokens (the reversed digits + eos) drawn from the task, and the mean prompt tokens ("rev:<n>=")."""
+    rng = random.Random(seed)
+    lengths = rng.choices(range(MIN_LEN, MAX_LEN + 1), length_weights(MAX_LEN, ALPHA), k=n)
+    return [min(n + 1, MAX_NEW) for n in lengths], float(np.mean([n + 5 for n in lengths]))
+
+
+def fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares, coefficients clamped at 0 (a negative cost is noise)."""
+    coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float), rcond=None)
+    return [max(0.0, float(c)) for c in coef]
+
+
+# -- measurements, each in a fresh process -----------------------------------------------------------------
+def _model(tmp: Path) -> Path:
+    from hpcrl.model.tiny import build_tiny_model
+
+    return build_tiny_model(tmp / "model")
+
+
+def _engine(model_path: Path):
+    from hpcrl.model.hf_io import load_model
+    from hpcrl.rollout.engine import SamplingParams
+    from hpcrl.rollout.torch_engine import TorchEngine
+
+    return TorchEngine(load_model(model_path), eos_token_id=1, pad_token_id=0, max_batch_size=ROWS,
+                       sampling=SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+
+
+def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
+    """Decode steps over a grid of batch sizes; prefill and rebuild against tokens; a state dict load."""
+    from hpcrl.rollout.engine import Request
+
+    engine, rng = _engine(model_path), random.Random(0)
+    decode, prefill = [], []
+    deadline = time.monotonic() + seconds
+    while True:
+        for rows in (1, 8, 16, 32, 48, 64):
+            groups = max(1, rows // G)
+            for g in range(groups):
+                prompt = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
+                for i in range(min(G, rows)):
+                    engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
+            before = (engine.stats["admit_prefill_s"], engine.stats["prefill_tokens"])
+            engine.poll()  # admission (one prefill call) + the first decode step
+            prefill.append((engine.stats["prefill_tokens"] - before[1], engine.stats["admit_prefill_s"] - before[0]))
+            for step in range(MAX_NEW - 1):
+                ctx = sum(len(s.tokens()) for s in engine._running)
+                n = engine.num_running()
+                t0 = time.perf_counter()
+                engine.poll()
+                decode.append((n, ctx, time.perf_counter() - t0))
+                if step == 10:  # new weights mid-generation: the cache is rebuilt over every running row
+                    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+                    before = (engine.stats["rebuild_prefill_s"], engine.stats["prefill_tokens"])
+                    t0 = time.perf_counter()
+                    engine.load_state_dict(state, engine.version + 1)
+                    total = time.perf_counter() - t0
+                    rebuild = engine.stats["rebuild_prefill_s"] - before[0]
+                    prefill.append((engine.stats["prefill_tokens"] - before[1], rebuild))
+                    decode.append((-1, 0, total - rebuild))  # the load alone (marked: not a decode step)
+        if time.monotonic() >= deadline:
+            return {"decode": [d for d in decode if d[0] >= 0], "load": [d[2] for d in decode if d[0] < 0],
+                    "prefill": prefill}
+
+
+def _groups(rng: random.Random, scale: int):
+    from hpcrl.spool.format import Sample, TrajectoryGroup
+
+    lengths, _ = task_lengths(B * G, seed=rng.randrange(1 << 30))
+    groups = []
+    for t in range(B):
+        n = rng.choice(range(MIN_LEN, MAX_LEN + 1))
+        prompt = np.array([rng.randrange(3, 60) for _ in range(n + 5)], np.int32)
+        samples = []
+        for i in range(G):
+            k = min(MAX_NEW * scale, lengths[t * G + i] * scale)
+            samples.append(Sample(np.array([rng.randrange(3, 60) for _ in range(k)], np.int32),
+                                  np.full(k, -1.0, np.float32), np.zeros(k, np.int32), np.ones(k, np.uint8),
+                                  float(i % 2), "stop"))
+        groups.append(TrajectoryGroup(ticket=t, writer="w", prompt_ids=prompt, samples=samples,
+                                      meta={"epoch": 0, "row": t}))
+    return groups
+
+
+def measure_trainer(model_path: Path, seconds: float = 0.0) -> dict:
+    """train_step against tokens; the in-process weight hand-over; the spool per group; a ledger ticket."""
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.runtime.dist import free_port, init_from_env
+    from hpcrl.trainer import batch as tb
+    from hpcrl.trainer.config import TrainerConfig
+    from hpcrl.trainer.engine import build_train_engine
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ctx = init_from_env("gloo")
+    engine = build_train_engine("fsdp", model_path, TrainerConfig(world_size=1, total_steps=10_000),
+                                AlgoConfig(), ctx, pad_id=0, dtype="float32")
+    rng, steps = random.Random(1), []
+    target = _engine(model_path)
+    engine.train_step(tb.to_sequences(_groups(rng, 1), AlgoConfig())[0])  # warm-up
+    deadline = time.monotonic() + seconds
+    while True:
+        for scale in (1, 2, 1, 2, 1, 2):
+            groups = _groups(rng, scale)
+            seqs, _ = tb.to_sequences(groups, AlgoConfig())
+            tokens = sum(len(s.tokens) for s in seqs)
+            t0 = time.perf_counter()
+            engine.train_step(seqs)
+            steps.append((tokens, time.perf_counter() - t0))
+        if time.monotonic() >= deadline:
+            break
+    t0 = time.perf_counter()
+    for _ in range(5):
+        target.load_state_dict(engine.full_state_dict(), 1)  # colocated: publish = load into the engine
+    handover = (time.perf_counter() - t0) / 5
+    return {"train": steps, "handover": handover, **measure_spool(rng)}
+
+
+def measure_spool(rng: random.Random) -> dict:
+    from hpcrl.admission.config import AdmissionConfig
+    from hpcrl.admission.ledger import AdmissionLedger
+    from hpcrl.spool.store import Spool
+    from hpcrl.trainer.feed import BatchFeed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ledger = AdmissionLedger(Path(tmp) / "admission", AdmissionConfig(batch_size=B, max_staleness=100), 100_000)
+        spool = Spool(Path(tmp) / "spool")
+        t0 = time.perf_counter()
+        tickets = [ledger.try_admit(0, "w") for _ in range(4 * B)]
+        admit = (time.perf_counter() - t0) / len(tickets)
+        for i, t in enumerate(tickets):
+            g = _groups(rng, 1)[i % B]
+            g.ticket, g.meta = t.index, {"epoch": t.epoch, "row": t.row}
+            spool.publish(g)
+        feed = BatchFeed(spool, ledger, B, 100, timeout_s=10)
+        t0 = time.perf_counter()
+        for v in range(4):
+            feed.next_batch(v)
+            feed.commit(v)
+        return {"admit_s": admit, "spool_per_group_s": (time.perf_counter() - t0) / (4 * B)}
+
+
+def _child(kind: str, threads: int, model_path: Path, seconds: float, out: Path | None) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--_child", kind, "--_threads", str(threads), "--_model", str(model_path),
+           "--_seconds", str(seconds)] + (["--_out", str(out)] if out else [])
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
+def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        if _child(kind, threads, model_path, seconds, out).wait() != 0:
+            raise SystemExit(f"the {kind} measurement failed")
+        return json.loads(out.read_text())
+
+
+def beside(kind: str, other: str, model_path: Path) -> dict:
+    """``kind`` measured (threads 1) while a process runs ``other`` for longer."""
+    load = _child(other, 1, model_path, 120.0, None)
+    try:
+        time.sleep(8.0)  # the other one past its start-up
+        return run_child(kind, 1, model_path)
+    finally:
+        load.kill()
+        load.wait()
+
+
+def costs_from(engine: dict, trainer: dict) -> dict:
+    d0, d1, d2 = fit([[1, n, c] for n, c, _ in engine["decode"]], [t for *_, t in engine["decode"]])
+    p0, p1 = fit([[1, n] for n, _ in engine["prefill"]], [t for _, t in engine["prefill"]])
+    t0, t1 = fit([[1, n] for n, _ in trainer["train"]], [t for _, t in trainer["train"]])
+    return {"decode_s": d0, "decode_per_row_s": d1, "decode_per_context_token_s": d2, "prefill_s": p0,
+            "prefill_per_token_s": p1, "weights_load_s": float(np.median(engine["load"])), "train_step_s": t0,
+            "train_per_token_s": t1, "colocated_publish_s": trainer["handover"], "admit_s": trainer["admit_s"],
+            "spool_per_group_s": trainer["spool_per_group_s"]}
+
+
+def typical_decode_s(engine: dict) -> float:
+    """One decode step at 32 rows of 20 context tokens, from the fit."""
+    d0, d1, d2 = fit([[1, n, c] for n, c, _ in engine["decode"]], [t for *_, t in engine["decode"]])
+    return d0 + 32 * d1 + 32 * 20 * d2
+
+
+def typical_train_s(trainer: dict) -> float:
+    """One train step of 1,500 tokens, from the fit."""
+    t0, t1 = fit([[1, n] for n, _ in trainer["train"]], [t for _, t in trainer["train"]])
+    return t0 + 1500 * t1
+
+
+def measure(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = _model(Path(tmp))
+        result, alone = {}, {}
+        for threads in (1, 2):
+            engine, trainer = run_child("engine", threads, model_path), run_child("trainer", threads, model_path)
+            alone = alone or {"engine": engine, "trainer": trainer}
+            fitted = result[f"threads{threads}"] = costs_from(engine, trainer)
+            print(f"{threads} thread(s): " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
+        slow = {"decode": typical_decode_s(beside("engine", "trainer", model_path)) / typical_decode_s(alone["engine"]),
+                "train": typical_train_s(beside("trainer", "engine", model_path)) / typical_train_s(alone["trainer"])}
+        result["shared_slowdown"] = {**slow, "mean": (slow["decode"] + slow["train"]) / 2}
+        print(f"shared cores: decode {slow['decode']:.2f}x, train {slow['train']:.2f}x", flush=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+# -- the check against a bench_async results file ----------------------------------------------------------
+def uniform_share(baseline: dict, measured: dict) -> float:
+    """The share of groups GRPO left out of the loss in the baseline run: its own count where the results file has
+    it, else what its training time per step implies under the measured train-step cost."""
+    if "uniform_share" in baseline:
+        return baseline["uniform_share"]
+    lengths, prompt = task_lengths()
+    update = (baseline["trainer_busy"] - baseline["publish_share"]) * baseline["trainer_loop_s"] / baseline["steps"]
+    c = measured["threads1"]
+    tokens = B * G * (float(np.mean(lengths)) + prompt)
+    return min(0.95, max(0.0, 1.0 - (update - c["train_step_s"]) / (c["train_per_token_s"] * tokens)))
+
+
+def baseline_costs(run: dict) -> dict:
+    """What the engine and trainer measurements leave out, from the baseline (colocated_t1) run's own split of its
+    generating time: scoring per sample, the ledger per admitted group, the feed's look at the spool between two
+    engine steps (its time over the run's decode steps, estimated as the steps a batch of the task takes)."""
+    generating = run["rollout_busy"] * run["trainer_loop_s"]
+    split, samples = run["rollout_time_split"], run["samples"]
+    lengths, _ = task_lengths()
+    batches = samples / ROWS  # the engine decodes ~ROWS rows at once, each for the longest of its rows, roughly
+    engine_steps = batches * float(np.mean(sorted(lengths)[int(0.9 * len(lengths)):]))
+    return {"reward_per_sample_s": split["reward"] * generating / samples,
+            "admit_s": split["ledger"] * generating / (samples / G),
+            "colocated_pass_s": run["spool_share"] * run["trainer_loop_s"] / engine_steps}
+
+
+def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tuple[Workload, Costs]:
+    """The simulator's workload and costs for one bench_async mode (scripts/bench_async.py MODES)."""
+    lengths, prompt = task_lengths()
+    threads = 2 if name == "colocated_t2" else 1
+    extra = measured.get("baseline", {})
+    costs = Costs(**{**measured[f"threads{threads}"], **extra}, shared_slowdown=measured["shared_slowdown"]["mean"])
+    base = dict(steps=run["steps"], batch_groups=B, group_size=G, max_batch_rows=ROWS, prompt_tokens=round(prompt),
+                response_tokens=tuple(lengths), uniform_share=uniform)
+    if name.startswith("colocated"):
+        return Workload(mode="colocated", max_staleness=0, **base), costs
+    eta = int(name.split("eta")[1].split("_")[0])
+    steps = run["steps"]
+    publish = run["publish_share"] * run["trainer_loop_s"] / steps  # the trainer's publish per version, measured
+    load = costs.weights_load_s
+    if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
+        load = run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] / run["rollout_weight_updates"]
+    costs = Costs(**{**measured["threads1"], **extra, "publish_s": publish, "weights_load_s": load,
+                     "weights_poll_s": 0.0 if "disk" in name else 0.02},
+                  shared_slowdown=measured["shared_slowdown"]["mean"])
+    kv = "keep" if "keepkv" in name else "recompute"
+    return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, **base), costs
+
+
+def check(costs_file: Path, results_file: Path, out: Path | None) -> None:
+    measured = json.loads(costs_file.read_text())
+    runs = json.loads(results_file.read_text())["runs"]
+    if "colocated_t1" not in runs:
+        raise SystemExit(f"{results_file}: no colocated_t1 run to take ratios against")
+    rows, base = {}, None
+    uniform = uniform_share(runs["colocated_t1"], measured)
+    measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"])}
+    print(f"groups left out of the loss (uniform rewards): {100 * uniform:.0f} %; from the baseline run: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in measured["baseline"].items()))
+    for name, run in runs.items():
+        if name.startswith("vllm"):
+            continue  # another engine: its costs are not measured here
+        work, costs = mode_setup(name, run, measured, uniform)
+        sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
+        rows[name] = {"measured_samples_per_s": run["samples_per_s"],
+                      "simulated_samples_per_s": float(np.mean([r.samples_per_s for r in sims])),
+                      "simulated_trainer_busy": float(np.mean([r.trainer_busy for r in sims])),
+                      "simulated_rollout_busy": float(np.mean([r.rollout_busy for r in sims]))}
+    base = rows["colocated_t1"]
+    print(f"{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}   (ratio to colocated_t1; samples/s)")
+    for name, r in rows.items():
+        r["measured_ratio"] = r["measured_samples_per_s"] / base["measured_samples_per_s"]
+        r["simulated_ratio"] = r["simulated_samples_per_s"] / base["simulated_samples_per_s"]
+        r["error"] = r["simulated_ratio"] / r["measured_ratio"] - 1
+        print(f"{name:28s} {r['measured_ratio']:9.2f} {r['simulated_ratio']:9.2f} {100 * r['error']:+6.1f}%   "
+              f"({r['measured_samples_per_s']:.0f} vs {r['simulated_samples_per_s']:.0f})")
+    worst = max(abs(r["error"]) for r in rows.values())
+    print(f"largest ratio error {100 * worst:.1f}% (target 10%)")
+    if out:
+        out.write_text(json.dumps({"costs": str(costs_file), "results": str(results_file), "modes": rows,
+                                   "uniform_share": uniform, "largest_error": worst}, indent=1))
+        print(f"wrote {out}")
+
+
+def dataclasses_replace(work: Workload, **changes) -> Workload:
+    import dataclasses
+
+    return dataclasses.replace(work, **changes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="measure, and write the cost model here")
+    ap.add_argument("--costs", type=Path, help="a cost model written by --out")
+    ap.add_argument("--check", type=Path, help="a bench_async results file to compare the simulator with")
+    ap.add_argument("--check-out", type=Path, help="write the comparison here")
+    ap.add_argument("--_child")
+    ap.add_argument("--_threads", type=int, default=1)
+    ap.add_argument("--_model", type=Path)
+    ap.add_argument("--_seconds", type=float, default=0.0)
+    ap.add_argument("--_out", type=Path)
+    args = ap.parse_args()
+    if args._child:
+        import torch
+
+        torch.set_num_threads(args._threads)
+        fn = measure_engine if args._child == "engine" else measure_trainer
+        result = fn(args._model, args._seconds)
+        if args._out:
+            args._out.write_text(json.dumps(result))
+        return
+    if args.out:
+        measure(args.out)
+    if args.check:
+        check(args.costs or args.out, args.check, args.check_out)
+    if not (args.out or args.check):
+        ap.error("nothing to do: --out to measure, --check to compare")
+
+
+if __name__ == "__main__":
+    main()
