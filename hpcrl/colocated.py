@@ -59,12 +59,17 @@ def _run(run_dir: Path) -> None:
     feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
     heartbeat = Heartbeat(run_dir, f"colocated@{fence.instance}", cfg.launch.heartbeat_interval_s)
 
-    def wait() -> None:  # generating the batch is not hanging: the heartbeat goes on
+    seen = [worker.stats.groups_published]
+
+    def wait() -> bool:  # generating the batch is not hanging: the heartbeat goes on
         heartbeat.beat()
         if fence.orphaned():
             raise Preempted("the supervisor is gone")
         if not worker.pump():
             time.sleep(cfg.rollout.poll_interval_s)
+        published = worker.stats.groups_published  # counted by the writer thread once a group is in ready/
+        news, seen[0] = published != seen[0], published
+        return news  # no news: the feed need not look at the spool after this engine step
 
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
     try:

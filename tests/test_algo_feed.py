@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,41 @@ def test_batch_level_std_spans_all_groups() -> None:
     std = np.std([0.0, 1.0, 1.0, 0.0])  # the batch std of the kept groups' rewards
     a = 0.5 / (std + 1e-6)
     assert [s.advantage for s in seqs] == pytest.approx([-a, a, a, -a])
+
+
+def test_a_wait_without_news_spares_the_listing_but_not_for_longer_than_relook_s(tmp_path, monkeypatch) -> None:
+    spool = Spool(tmp_path / "spool")
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=1, max_staleness=1), 100)
+    feed = BatchFeed(spool, ledger, batch_size=1, max_staleness=1, timeout_s=5, relook_s=0.3)
+    listings = []
+    real_ready = spool.ready
+    monkeypatch.setattr(spool, "ready", lambda: listings.append(time.monotonic()) or real_ready())
+    ticket = ledger.try_admit(0, "w")
+    calls = []
+
+    def wait() -> bool:  # a colocated loop whose writer published without telling: only relook_s finds it
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            spool.publish(group(ticket.index, [0.0, 1.0], ledger=ledger))
+        time.sleep(0.01)
+        return False
+
+    t0 = time.monotonic()
+    assert [g.ticket for g in feed.next_batch(0, wait)] == [0]
+    assert len(calls) > 10 and len(listings) == 2  # once at the start, once when relook_s had passed
+    assert listings[1] - t0 >= 0.3
+
+    news = []
+
+    def wait_with_news() -> bool:  # says so when it published: looked at right away
+        t = ledger.try_admit(1, "w")
+        if t is not None:
+            spool.publish(group(t.index, [0.0, 1.0], ledger=ledger))
+            news.append(t.index)
+        return bool(news)
+
+    feed.commit(0)
+    listings.clear()
+    start = time.monotonic()
+    assert [g.ticket for g in feed.next_batch(1, wait_with_news)] == [1]
+    assert len(listings) == 2 and time.monotonic() - start < 0.3

@@ -65,7 +65,7 @@ class BatchTimeout(RuntimeError):
 
 class BatchFeed:
     def __init__(self, spool: Spool, ledger: AdmissionLedger, batch_size: int, max_staleness: int,
-                 timeout_s: float = 600.0, poll_s: float = 0.01,
+                 timeout_s: float = 600.0, poll_s: float = 0.01, relook_s: float = 0.1,
                  keep: Callable[[TrajectoryGroup], bool] | None = None, read_ahead: bool = False) -> None:
         self.spool, self.ledger = spool, ledger
         # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale)
@@ -74,7 +74,7 @@ class BatchFeed:
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
         self._ahead_seen = (0.0, 0, 0)  # the read-ahead's (busy_s, hits, misses) at the last step_report
         self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s, self.poll_s, self.relook_s = timeout_s, poll_s, relook_s
         self._pending: list[SpoolEntry] = []
         self.keep = keep  # dynamic sampling: groups it rejects are dropped as "uniform"
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
@@ -141,43 +141,27 @@ class BatchFeed:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         log.warning("set aside ticket %d (%s)", entry.ticket, reason)
 
-    def next_batch(self, version: int, wait: Callable[[], None] | None = None) -> list[TrajectoryGroup]:
-        """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep)."""
+    def next_batch(self, version: int, wait: Callable[[], bool | None] | None = None) -> list[TrajectoryGroup]:
+        """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep). A ``wait``
+        that returns False says nothing was published since its last call as far as it knows (the colocated loop
+        publishes its own groups): the spool is then looked at again only every ``relook_s``."""
         groups: list[TrajectoryGroup] = []
         entries: list[SpoolEntry] = []
         start = time.monotonic()
-        deadline, waited = start + self.timeout_s, 0.0
+        deadline, waited, news, look_at = start + self.timeout_s, 0.0, None, 0.0
         self._batch = set()
         if self.ahead is not None:
             self.ahead.hold()  # out of the claim's way
         while len(groups) < self.batch_size:
-            fresh = self._eligible(version)[: self.batch_size - len(groups)]
-            for entry in self.spool.claim(fresh):
-                owned = self.owns_outcome(entry)  # before load: a corrupt file is quarantined there
-                group = self.spool.load(entry, self._read)
-                if group is None:
-                    if owned:
-                        self.ledger.record_drop(entry.ticket, "quarantined")
-                    self.dropped["quarantined"] += 1
-                    continue
-                why = self.verdict(entry, group)
-                if why is not None:
-                    self.quarantine(entry, why)
-                    continue
-                if self.keep is not None and not self.keep(group):
-                    self.spool.drop(entry, "uniform")
-                    self.ledger.record_drop(entry.ticket, "uniform")
-                    self.dropped["uniform"] = self.dropped.get("uniform", 0) + 1
-                    continue
-                groups.append(group)
-                entries.append(entry)
-                self._batch.add(entry.ticket)
+            if news is not False or time.monotonic() >= look_at:
+                look_at = time.monotonic() + self.relook_s
+                self._take(self._eligible(version)[: self.batch_size - len(groups)], groups, entries)
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
                     raise BatchTimeout(f"only {len(groups)} of {self.batch_size} groups arrived for version "
                                        f"{version} in {self.timeout_s:.0f}s: are the rollouts alive?")
                 t = time.monotonic()
-                wait() if wait else time.sleep(self.poll_s)
+                news = wait() if wait else time.sleep(self.poll_s)
                 waited += time.monotonic() - t
         self._pending = entries
         if self.ahead is not None:
@@ -200,6 +184,29 @@ class BatchFeed:
         """Stop the read-ahead's worker (the trainer's exit)."""
         if self.ahead is not None:
             self.ahead.close()
+
+    def _take(self, fresh: list[SpoolEntry], groups: list[TrajectoryGroup], entries: list[SpoolEntry]) -> None:
+        """Claim ``fresh`` and add the valid, kept groups to the batch; quarantine or drop the rest."""
+        for entry in self.spool.claim(fresh):
+            owned = self.owns_outcome(entry)  # before load: a corrupt file is quarantined there
+            group = self.spool.load(entry, self._read)
+            if group is None:
+                if owned:
+                    self.ledger.record_drop(entry.ticket, "quarantined")
+                self.dropped["quarantined"] += 1
+                continue
+            why = self.verdict(entry, group)
+            if why is not None:
+                self.quarantine(entry, why)
+                continue
+            if self.keep is not None and not self.keep(group):
+                self.spool.drop(entry, "uniform")
+                self.ledger.record_drop(entry.ticket, "uniform")
+                self.dropped["uniform"] = self.dropped.get("uniform", 0) + 1
+                continue
+            groups.append(group)
+            entries.append(entry)
+            self._batch.add(entry.ticket)
 
     def _eligible(self, version: int) -> list[SpoolEntry]:
         out = []

@@ -15,7 +15,9 @@ The whole schedule (one iteration = one policy version)::
     reporter.step(v + 1, ...)               # rank 0: metrics.jsonl, eval when due
 
 Colocated mode runs this same loop in the rollout's process, with ``wait``
-pumping the rollout worker and ``publish`` handing weights to its engine.
+pumping the rollout worker (and saying whether it published a group, so
+the feed looks at the spool only then) and ``publish`` handing weights to
+its engine.
 
 Ownership (:mod:`hpcrl.runtime.owner`): the process is fenced to the owner
 epoch its supervisor started it with. Before each publish and commit rank 0
@@ -70,7 +72,7 @@ _PREEMPTED, _FENCED = "preempted", "fenced"
 
 
 def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: BatchFeed | None,
-               reporter: Reporter | None, publish: Publish, wait: Callable[[], None] | None = None,
+               reporter: Reporter | None, publish: Publish, wait: Callable[[], bool | None] | None = None,
                heartbeat: Heartbeat | None = None, checkpointer: Checkpointer | None = None,
                start_version: int = 0, preempt: PreemptionFlag | None = None,
                fence: Fence | NoFence | None = None) -> None:
@@ -125,7 +127,7 @@ def _rank0_publishes(state: Mapping[str, torch.Tensor], version: int) -> None:
     raise RuntimeError("only the trainer's rank 0 publishes weights")
 
 
-def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Callable[[], None] | None,
+def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Callable[[], bool | None] | None,
                heartbeat: Heartbeat | None = None) -> list[TrajectoryGroup]:
     """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank. The other ranks beat
     ``heartbeat`` while they wait for it (as long as rank 0 waits for rollouts)."""
