@@ -23,8 +23,13 @@ alone, with 1 and with 2 torch threads, in fresh processes:
 
 What crosses processes is taken from the run being checked (``--check``):
 the trainer's publish time per step (``time/publish_s``: collective or disk)
-and the rollout's weight receive + load per version. ``--check`` then plays
-every mode of the results file in the simulator and prints the predicted
+and the rollout's weight receive + load per version; and from the baseline
+run (``colocated_t1``) alone, what the pieces leave out: the share of
+groups GRPO leaves out of the loss (its count, or what its training time
+implies), scoring per sample, the worker's admission time per admitted group
+(every ask, refused ones included) and the colocated feed's look at the
+spool between engine steps. ``--check`` then plays every mode of the results
+file it knows (not the vLLM ones) in the simulator and prints the predicted
 ratio to ``colocated_t1`` next to the measured one (target: within 10 %).
 """
 
@@ -271,7 +276,7 @@ def uniform_share(baseline: dict, measured: dict) -> float:
     return min(0.95, max(0.0, 1.0 - (update - c["train_step_s"]) / (c["train_per_token_s"] * tokens)))
 
 
-def baseline_costs(run: dict) -> dict:
+def baseline_costs(run: dict, spool_per_group_s: float) -> dict:
     """What the engine and trainer measurements leave out, from the baseline (colocated_t1) run's own split of its
     generating time: scoring per sample, the ledger per admitted group, the feed's look at the spool between two
     engine steps (its time over the run's decode steps, estimated as the steps a batch of the task takes)."""
@@ -280,9 +285,10 @@ def baseline_costs(run: dict) -> dict:
     lengths, _ = task_lengths()
     batches = samples / ROWS  # the engine decodes ~ROWS rows at once, each for the longest of its rows, roughly
     engine_steps = batches * float(np.mean(sorted(lengths)[int(0.9 * len(lengths)):]))
+    spool_s = run["spool_share"] * run["trainer_loop_s"] - (samples / G) * spool_per_group_s  # claims, reads: in train
     return {"reward_per_sample_s": split["reward"] * generating / samples,
-            "admit_s": split["ledger"] * generating / (samples / G),
-            "colocated_pass_s": run["spool_share"] * run["trainer_loop_s"] / engine_steps}
+            "admit_s": split["ledger"] * generating / (samples / G),  # every ask, the refused ones too, per group
+            "colocated_pass_s": max(0.0, spool_s) / engine_steps}
 
 
 def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tuple[Workload, Costs]:
@@ -313,14 +319,19 @@ def check(costs_file: Path, results_file: Path, out: Path | None) -> None:
     runs = json.loads(results_file.read_text())["runs"]
     if "colocated_t1" not in runs:
         raise SystemExit(f"{results_file}: no colocated_t1 run to take ratios against")
+    missing = [k for k in ("rollout_time_split", "spool_share") if k not in runs["colocated_t1"]]
+    if missing:
+        raise SystemExit(f"{results_file}: written by an older bench_async.py (colocated_t1 lacks {missing}); "
+                         "run it again")
     rows, base = {}, None
     uniform = uniform_share(runs["colocated_t1"], measured)
-    measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"])}
+    measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"], measured["threads1"]["spool_per_group_s"])}
     print(f"groups left out of the loss (uniform rewards): {100 * uniform:.0f} %; from the baseline run: "
           + ", ".join(f"{k} {v:.3g}" for k, v in measured["baseline"].items()))
     for name, run in runs.items():
-        if name.startswith("vllm"):
-            continue  # another engine: its costs are not measured here
+        if name.startswith("vllm") or not (name.startswith("colocated") or "eta" in name):
+            print(f"{name}: skipped (another engine, or a mode this script does not know)")
+            continue
         work, costs = mode_setup(name, run, measured, uniform)
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
@@ -373,6 +384,8 @@ def main() -> None:
     if args.out:
         measure(args.out)
     if args.check:
+        if not (args.costs or args.out):
+            ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")
         check(args.costs or args.out, args.check, args.check_out)
     if not (args.out or args.check):
         ap.error("nothing to do: --out to measure, --check to compare")

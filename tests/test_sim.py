@@ -16,13 +16,11 @@ ZERO = Costs(decode_s=0.0, decode_per_row_s=0.0, prefill_s=0.0, prefill_per_toke
 
 def assert_no_ticket_lost(pipe: Pipeline) -> None:
     """Every ticket the ledger created was trained once, or is still on its way (in an engine, ready, reissued)."""
-    trained = pipe.trained_tickets
-    assert len(set(trained)) == len(trained)  # never trained twice
-    on_the_way = ({g.ticket for g in pipe.ready} | set(pipe.ledger.reissued)
-                  | {row.group.ticket for r in pipe.replicas for row in r.rows}
-                  | {g.ticket for r in pipe.replicas if r.busy for g in r._finishing})  # finished in a running step
-    assert not on_the_way & set(trained)
-    assert set(trained) | on_the_way == set(range(pipe.ledger.created))
+    groups_in_engines = {id(row.group): row.group for r in pipe.replicas for row in r.rows}.values()
+    everywhere = (pipe.trained_tickets + [g.ticket for g in pipe.ready] + pipe.ledger.reissued
+                  + [g.ticket for g in groups_in_engines]
+                  + [g.ticket for r in pipe.replicas if r.busy for g in r._finishing])  # finished in a running step
+    assert sorted(everywhere) == list(range(pipe.ledger.created))  # each ticket in exactly one place
 
 
 def test_colocated_step_is_generation_then_training() -> None:
@@ -104,11 +102,39 @@ def test_the_same_seed_gives_the_same_run_and_shared_cores_slow_both_sides() -> 
     assert slowed.samples_per_s < alone.samples_per_s
 
 
+def test_uniform_groups_are_read_but_not_trained() -> None:
+    work = Workload(max_staleness=4, steps=50, response_tokens=(4, 8))
+    costs = dataclasses.replace(ZERO, decode_s=1e-5, train_per_token_s=1e-4)  # the trainer sets the pace
+    full, most_uniform = simulate(work, costs), simulate(dataclasses.replace(work, uniform_share=0.75), costs)
+    assert most_uniform.samples == full.samples
+    assert most_uniform.trainer_busy_s == pytest.approx(full.trainer_busy_s / 4, rel=0.15)
+
+
+def test_weights_are_looked_for_only_every_poll_interval_while_decoding() -> None:
+    base = Workload(max_staleness=8, steps=60, response_tokens=(40,))
+    costs = dataclasses.replace(Costs(), decode_s=1e-3, train_step_s=5e-3, weights_poll_s=0.0)
+    every_step = simulate(base, costs)
+    rarely = simulate(base, dataclasses.replace(costs, weights_poll_s=0.2))
+    mean = lambda r: sum(k * n for k, n in r.staleness_hist.items()) / sum(r.staleness_hist.values())  # noqa: E731
+    assert mean(rarely) > mean(every_step) + 0.3  # tokens keep coming from old weights between two looks
+
+
+def test_a_run_that_cannot_progress_stops_with_an_error() -> None:
+    # every replica fails long before it can finish a group: no group reaches the trainer, events go on forever
+    work = Workload(steps=5, response_tokens=(10_000,), rollout_failures_per_hour=3600 * 1000, restart_s=0.001)
+    with pytest.raises(RuntimeError, match="stalled at version 0"):
+        Pipeline(work, Costs()).run(stall_events=20_000)
+
+
 def test_a_workload_the_bound_cannot_serve_is_refused() -> None:
     with pytest.raises(ValueError, match="max_batch_rows"):
         Workload(group_size=8, max_batch_rows=4)
     with pytest.raises(ValueError, match="colocated"):
         Workload(mode="colocated", max_staleness=2)
+    with pytest.raises(ValueError, match="mode"):
+        Workload(mode="colocatd")
+    with pytest.raises(ValueError, match="kv_on_update"):
+        Workload(kv_on_update="recomp")
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -150,3 +176,13 @@ def test_the_command_sweeps_a_setting_and_refuses_unknown_ones(tmp_path, capsys)
     with pytest.raises(SystemExit, match="colocated"):
         main(["mode=colocated", "max_staleness=2"])
     main(["mode=colocated", "max_staleness=0", "steps=3"])  # settings apply together, in any order
+    main(["--sweep", "max_staleness=0", "mode=colocated", "steps=3"])  # a sweep value completes the settings
+    for bad, said in (("steps=3.5", "an integer"), ("train_step_s=inf", "a finite number"),
+                      ("response_tokens=8/x", "integers joined by /")):
+        with pytest.raises(SystemExit, match=said):
+            main([bad])
+    calibrated = tmp_path / "model.json"  # what scripts/sim_calibrate.py --out writes
+    calibrated.write_text('{"threads1": {"train_step_s": 0.2}, "threads2": {"train_step_s": 0.1}, '
+                          '"shared_slowdown": {"mean": 1.1}}')
+    main(["--costs", str(calibrated), "--threads", "2", "steps=3", "--json", str(out)])
+    assert __import__("json").loads(out.read_text())["costs"]["train_step_s"] == 0.1

@@ -1,8 +1,9 @@
 """What the pipeline simulator is given: cost models and a workload.
 
 Every cost is in seconds. :class:`Costs` describes one rollout replica's
-engine (continuous batching: a decode step over all active rows, a prefill
-per admitted group and per weight update in ``recompute`` mode) and the
+engine (continuous batching: a decode step over all active rows, one
+prefill call for the groups admitted together and one per weight update
+in ``recompute`` mode) and the
 trainer (a step's time against its tokens, publishing a version, the spool).
 :class:`Workload` is what runs: the batch, the group size, the staleness
 bound, the replicas, how long responses are. Neither imports torch: the
@@ -42,8 +43,8 @@ class Costs:
     colocated_publish_s: float = 1e-3
     # colocated: the trainer's feed looks at the spool between two engine steps while it waits for its batch
     colocated_pass_s: float = 0.0
-    # disaggregated components sharing one machine's cores: each of their costs is multiplied by this while both
-    # run there (1: separate accelerators, as on a cluster)
+    # disaggregated components sharing one machine's cores: a step (engine or trainer) that starts while the other
+    # side is busy costs this many times more (1: separate accelerators, as on a cluster)
     shared_slowdown: float = 1.0
 
     def decode(self, rows: int, context: int) -> float:
@@ -54,12 +55,6 @@ class Costs:
 
     def train(self, tokens: int, groups: int) -> float:
         return self.train_step_s + self.train_per_token_s * tokens + self.spool_per_group_s * groups
-
-    def scaled(self, factor: float) -> Costs:
-        """Every cost multiplied by ``factor`` (the poll interval and the slowdown itself excepted)."""
-        keep = {"weights_poll_s", "shared_slowdown"}
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor
-                                            for f in dataclasses.fields(self) if f.name not in keep})
 
 
 @dataclass(frozen=True)
@@ -97,6 +92,14 @@ class Workload:
             raise ValueError(f"max_batch_rows: must hold one group ({self.group_size} rows), got {self.max_batch_rows}")
         if not self.response_tokens or min(self.response_tokens) < 1:
             raise ValueError(f"response_tokens: a non-empty list of lengths >= 1, got {self.response_tokens}")
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode: colocated or disaggregated, got {self.mode!r}")
+        if self.kv_on_update not in ("recompute", "keep"):
+            raise ValueError(f"kv_on_update: recompute or keep, got {self.kv_on_update!r}")
+        for name in ("steps", "batch_groups", "group_size", "max_staleness", "replicas", "max_batch_rows",
+                     "prompt_tokens", "seed"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
         if self.mode == "colocated" and (self.max_staleness != 0 or self.replicas != 1):
             raise ValueError("colocated: one process alternates generation and training (max_staleness 0, 1 replica)")
         if not 0.0 <= self.uniform_share < 1.0:
@@ -114,7 +117,8 @@ class Result:
     tokens: int
     trainer_busy_s: float
     rollout_busy_s: list[float]
-    staleness_hist: dict[int, int] = field(default_factory=dict)  # versions behind -> trained tokens
+    # versions behind -> response tokens of the groups the trainer took (uniform groups' included)
+    staleness_hist: dict[int, int] = field(default_factory=dict)
     dropped_groups: int = 0
     failures: int = 0
 

@@ -96,7 +96,7 @@ class Pipeline:
         self.ready: list[_Group] = []
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
-        self.samples = self.tokens = self.dropped_groups = self.failures = 0
+        self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = 0
         self.staleness: Counter = Counter()
         self.trained_tickets: list[int] = []
         self.replicas = [_Replica(self, i) for i in range(work.replicas)]
@@ -106,19 +106,25 @@ class Pipeline:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, fn))
 
-    def run(self, stall_events: int = 2_000_000) -> Result:
-        """Play events until the last step is published; a run whose trainer makes no step in ``stall_events``
-        events (replicas failing and restarting forever, say) is a stall and raises."""
+    def run(self, stall_events: int | None = None) -> Result:
+        """Play events until the last step is published. A run that hands no finished group to the trainer and
+        makes no step in ``stall_events`` events (default: 2M or four times the decode steps of the longest
+        response on every replica, whichever is larger; replicas failing before they finish anything, say) is a
+        stall and raises."""
+        limit = stall_events or max(2_000_000, 4 * self.work.replicas * max(self.work.response_tokens))
         for r in self.replicas:
             r.start()
-        since, last = 0, self.version
+        since, last = 0, (self.version, self.offered)
         while self.version < self.work.steps:
-            if not self._events or since > stall_events:
+            if not self._events or since > limit:
                 raise RuntimeError(f"the simulation stalled at version {self.version} (t={self.now:.3f}s, "
-                                   f"{since} events without a step)")
+                                   f"{since} events without a finished group or a step)")
             self.now, _, fn = heapq.heappop(self._events)
             fn()
-            since, last = (0, self.version) if self.version != last else (since + 1, last)
+            now = (self.version, self.offered)
+            since, last = (0, now) if now != last else (since + 1, last)
+        for r in self.replicas:
+            r.stop()  # a step still running counts up to now
         return Result(wall_s=self.now, samples=self.samples, tokens=self.tokens, trainer_busy_s=self.trainer_busy_s,
                       rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
                       staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures)
@@ -128,6 +134,7 @@ class Pipeline:
 
     # -- the trainer --------------------------------------------------------------------------------
     def offer(self, group: _Group) -> None:
+        self.offered += 1
         self.ready.append(group)
         self.try_train()
 
@@ -146,12 +153,17 @@ class Pipeline:
             return
         self.ready.sort(key=lambda g: (g.min_version, g.ticket))
         batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
+        self.trainer_busy = True
+        # begins once the event that completed the batch is over: a replica handing its last group over is busy
+        # until then, and only its next step says whether the rollout side is
+        self.at(self.now, lambda: self._train(batch))
+
+    def _train(self, batch: list[_Group]) -> None:
         g_size = self.work.group_size
         trained = [g for g in batch if self.rng.random() >= self.work.uniform_share]  # uniform groups: no loss
         tokens = sum(g.tokens for g in trained) + len(trained) * g_size * self.work.prompt_tokens
         publish = self.costs.colocated_publish_s if self.colocated else self.costs.publish_s
         cost = (self.costs.train(tokens, len(batch)) + publish) * self.slowdown(any(r.busy for r in self.replicas))
-        self.trainer_busy = True
         self.trainer_busy_s += cost
         for g in batch:
             self.trained_tickets.append(g.ticket)
@@ -187,6 +199,7 @@ class _Replica:
         self.next_poll = 0.0
         self.life = 0  # bumped at each failure: events of an earlier life are ignored
         self._finishing: list[_Group] = []
+        self._started = 0.0  # when the running step started
 
     def start(self) -> None:
         if self.work.rollout_failures_per_hour > 0:
@@ -242,14 +255,21 @@ class _Replica:
 
     def _busy_for(self, cost: float, finished: list[_Group]) -> None:
         self.busy = True
-        self.busy_s += cost
+        self._started = self.pipe.now
         self._finishing = finished  # done by this step, handed over at its end: lost if the replica fails first
         life = self.life
         self.pipe.at(self.pipe.now + cost, lambda: self._stepped(life, finished))
 
+    def stop(self) -> None:
+        """A step still running counts as busy up to now (the run is over, or the replica failed)."""
+        if self.busy:
+            self.busy_s += self.pipe.now - self._started
+            self._started = self.pipe.now
+
     def _stepped(self, life: int, finished: list[_Group]) -> None:
         if life != self.life:
             return
+        self.busy_s += self.pipe.now - self._started
         for g in finished:  # still busy meanwhile: a wake from the trainer must not start a second step
             self.pipe.offer(g)
         self.busy = False
@@ -267,6 +287,7 @@ class _Replica:
         self.life += 1
         # the groups in its engine, and those its running step finished but has not handed over yet
         lost = {id(g): g for g in [r.group for r in self.rows] + (self._finishing if self.busy else [])}
+        self.stop()  # the step it was running counts up to the failure
         self.up, self.busy = False, False
         self.pipe.failures += 1
         self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
