@@ -46,7 +46,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_scale_adds_a_replica_that_contributes_then_drains_it_and_the_run_completes(tmp_path, cache) -> None:
-    run, steps = tmp_path / "run", 500
+    run, steps = tmp_path / "run", 1500  # room for a scale-up and a drain, each a job start or stop, before the end
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.submit", "--config", str(ROOT / "configs/quickstart.yaml"),
                              *submit_args(run, cache, f"trainer.total_steps={steps}", "eval.every_steps=0")],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"), cwd=ROOT,
