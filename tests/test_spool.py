@@ -446,3 +446,47 @@ def test_bench_spool_measures_every_operation(tmp_path: Path) -> None:
     assert all(r["median_us"] > 0 for r in results.values())
     assert results["step_trainer"]["median_us"] > 4 * results["load"]["median_us"]  # a step loads B files
     assert "trainer step: claim+load+mark_trained" in proc.stdout
+
+
+def test_claims_and_commits_are_renames_until_sync_makes_them_durable(tmp_path: Path, monkeypatch) -> None:
+    """Per step the trainer only renames: resume releases what is claimed or trained after its checkpoint, so only
+    a checkpoint needs the moves durable, and sync (called before it) fsyncs each directory they touched once."""
+    import hpcrl.spool.store as store
+
+    sp = Spool(tmp_path)
+    for t in range(4):
+        sp.publish(make_group(ticket=t))
+    synced: list[Path] = []
+    monkeypatch.setattr(store, "fsync_dir", synced.append)
+    c = sp.claim(sp.ready())
+    sp.mark_trained(c[:2], step=5)
+    sp.mark_trained(c[2:3], step=6)
+    assert synced == [], "a claim or a commit fsyncs nothing"
+    assert sp.sync() == 5
+    step5, step6 = sp.trained_dir / "step_000005", sp.trained_dir / "step_000006"
+    assert set(synced) == {step5, step6, sp.claimed_dir, sp.ready_dir, sp.trained_dir}
+    assert synced.index(step5) < synced.index(sp.trained_dir) and synced.index(step6) < synced.index(sp.trained_dir)
+    assert sp.sync() == 0 and len(synced) == 5, "nothing moved since: nothing to sync"
+    sp.mark_trained(c[3:], step=6)  # a commit into an existing step folder: that folder and claimed/
+    sp.sync()
+    assert synced[5:] == [step6, sp.claimed_dir]
+
+
+def test_the_trainer_makes_the_spool_durable_before_it_commits_a_checkpoint() -> None:
+    from hpcrl.trainer.main import save
+
+    order: list = []
+
+    class Feed:
+        dropped: dict = {}
+
+        def sync(self) -> None:
+            order.append("sync")
+
+    class Checkpointer:
+        def save(self, engine, version: int, counters: dict) -> None:
+            order.append(("save", version, counters["dropped"]))
+
+    save(Checkpointer(), None, 3, Feed(), None)
+    save(Checkpointer(), None, 4, None, None)  # a rank without the feed
+    assert order == ["sync", ("save", 3, {}), ("save", 4, {})]

@@ -19,6 +19,15 @@ and after the step moves them to ``trained/step_N/`` (``mark_trained``) or to
 ``dropped/`` with a reason (``drop``). On resume, files still in ``claimed/``
 that the checkpoint does not cover go back to ``ready/`` (``release_claimed``).
 
+Durability: a publish and a move aside are fsynced at once (data, then the
+directory entry). A claim and a commit are not: resume puts every file that
+is claimed, or trained after the checkpoint it restores, back in ``ready/``,
+so a claim or commit that a crash of the machine undid changes nothing that
+resume would keep. What must be durable is every commit a checkpoint covers:
+the trainer calls :meth:`Spool.sync` (the directories of the moves since the
+last sync) before it commits a checkpoint, so the per-step cost is renames
+only (design.md §3.5).
+
 Ordering rules: every move is one ``rename`` on the same filesystem, hence
 atomic; a reason file is written (atomically) *before* its data file is moved,
 so a dropped or quarantined file always has its reason. Moves never overwrite:
@@ -105,6 +114,7 @@ class Spool:
                   self.dropped_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
+        self._unsynced: set[Path] = set()  # directories with claims or commits not yet made durable (sync)
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
@@ -231,7 +241,8 @@ class Spool:
 
     # -- trainer side -------------------------------------------------------
     def claim(self, entries: list[SpoolEntry]) -> list[SpoolEntry]:
-        """Rename ``entries`` into claimed/; skip those that vanished. Returns the claimed."""
+        """Rename ``entries`` into claimed/; skip those that vanished. Returns the claimed. Not fsynced: a claim
+        that a crash undid leaves the file in ready/, where resume would have put it (:meth:`sync`)."""
         self.fence.check("spool claim")
         taken = []
         for e in entries:
@@ -243,8 +254,7 @@ class Spool:
                 continue
             taken.append(dataclasses.replace(e, path=dst))
         if taken:
-            fsync_dir(self.claimed_dir)
-            fsync_dir(self.ready_dir)
+            self._unsynced |= {self.claimed_dir, self.ready_dir}
         return taken
 
     def load(self, entry: SpoolEntry,
@@ -270,10 +280,13 @@ class Spool:
             return None
 
     def mark_trained(self, entries: list[SpoolEntry], step: int) -> None:
-        """Move ``entries`` into trained/step_{step:06d}/ (idempotent for already moved files)."""
+        """Move ``entries`` into trained/step_{step:06d}/ (idempotent for already moved files). Durable after the
+        next :meth:`sync`: resume releases what is trained after its checkpoint, so only a checkpoint needs it."""
         self.fence.check("spool commit")
         d = self.trained_dir / f"step_{step:06d}"
-        d.mkdir(exist_ok=True)
+        if not d.is_dir():
+            d.mkdir(exist_ok=True)
+            self._unsynced.add(self.trained_dir)
         for e in entries:
             dst = d / e.name
             try:
@@ -282,8 +295,16 @@ class Spool:
                 if not dst.exists():
                     raise
                 # already moved by an earlier, interrupted call
-        fsync_dir(d)
-        fsync_dir(self.claimed_dir)
+        self._unsynced |= {d, self.claimed_dir}
+
+    def sync(self) -> int:
+        """Make every claim and commit since the last sync durable (one fsync per directory they touched, step
+        folders before their parent); the trainer calls it before it commits a checkpoint. Returns the count."""
+        dirs = sorted(self._unsynced, key=lambda d: (-len(d.parts), str(d)))
+        for d in dirs:
+            fsync_dir(d)
+        self._unsynced.clear()
+        return len(dirs)
 
     def drop(self, entry: SpoolEntry, reason: str) -> None:
         """Move ``entry`` into dropped/ with dropped/<name>.reason.json."""

@@ -18,7 +18,9 @@ Ordering rules (rank 0 only):
   policy lost when the trainer restarted from a checkpoint: it is set aside
   and its ticket reissued (see :mod:`hpcrl.trainer.reconcile`).
 * After the step, :meth:`BatchFeed.commit` moves the claimed files into
-  ``trained/step_<v>/`` where ``v`` is the version that trained them.
+  ``trained/step_<v>/`` where ``v`` is the version that trained them; claims
+  and commits are renames only, made durable by :meth:`BatchFeed.sync`
+  before a checkpoint covers them (resume releases the rest anyway).
 * Only admitted work is trained (design.md §4.8): every claimed file is checked
   against the ledger before it joins the batch (:meth:`BatchFeed.verdict`:
   its ticket was admitted, the dataset position in the file is the ticket's,
@@ -188,10 +190,9 @@ class BatchFeed:
     def _take(self, fresh: list[SpoolEntry], groups: list[TrajectoryGroup], entries: list[SpoolEntry]) -> None:
         """Claim ``fresh`` and add the valid, kept groups to the batch; quarantine or drop the rest."""
         for entry in self.spool.claim(fresh):
-            owned = self.owns_outcome(entry)  # before load: a corrupt file is quarantined there
-            group = self.spool.load(entry, self._read)
+            group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
             if group is None:
-                if owned:
+                if self.owns_outcome(entry):  # asked only now: it reads the ledger, not the file
                     self.ledger.record_drop(entry.ticket, "quarantined")
                 self.dropped["quarantined"] += 1
                 continue
@@ -227,6 +228,10 @@ class BatchFeed:
         self.ledger.check_drop_count()
         return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
                 "reissues_compacted": self.ledger.compact_reissues(finished)}
+
+    def sync(self) -> None:
+        """Make the claims and commits so far durable (before a checkpoint covers them; :meth:`Spool.sync`)."""
+        self.spool.sync()
 
     def commit(self, version: int) -> None:
         self.spool.mark_trained(self._pending, version)

@@ -85,7 +85,7 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             groups = take_batch(feed, ctx, version, wait, heartbeat)
         except Preempted:
             if checkpointer and not checkpointer.has(version):
-                checkpointer.save(engine, version, counters(feed, reporter))
+                save(checkpointer, engine, version, feed, reporter)
             raise
         t1 = time.time()
         seqs, n_uniform = to_sequences(groups, cfg.algo)
@@ -115,7 +115,7 @@ def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: Batc
             heartbeat.beat(version=version + 1)
         stop = agree(ctx, (preempt is not None and preempt.requested) or fence.orphaned())
         if checkpointer and (stop or checkpointer.due(version + 1, total)):
-            checkpointer.save(engine, version + 1, counters(feed, reporter))
+            save(checkpointer, engine, version + 1, feed, reporter)
             if ctx.is_main:
                 feed.retain(cfg.trainer.keep_dropped_files)
         if stop:
@@ -151,6 +151,15 @@ def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Cal
     if isinstance(groups, str) and groups == _FENCED:
         raise Fenced(f"a newer owner took the run over while version {version} waited for its batch")
     return groups
+
+
+def save(checkpointer: Checkpointer, engine: TrainEngine, version: int, feed: BatchFeed | None,
+         reporter: Reporter | None) -> None:
+    """Checkpoint ``version``: the spool's claims and commits are made durable first (rank 0), so a checkpoint
+    never covers a commit that a crash of the machine could undo."""
+    if feed is not None:
+        feed.sync()
+    checkpointer.save(engine, version, counters(feed, reporter))
 
 
 def batch_wait(preempt: PreemptionFlag, fence: Fence, heartbeat: Heartbeat) -> Callable[[], None]:
