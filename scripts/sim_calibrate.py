@@ -28,7 +28,13 @@ run (``colocated_t1``) alone, what the pieces leave out: the share of
 groups GRPO leaves out of the loss (its count, or what its training time
 implies), scoring per sample, the worker's admission time per admitted group
 (every ask, refused ones included) and the colocated feed's look at the
-spool between engine steps. ``--check`` then plays every mode of the results
+spool between engine steps. Where the results file has the baseline's time
+split (``bench_async.py`` of 2026-11-27 and later), the levels of decode,
+admission prefill and the train step are then fitted to it
+(:func:`hpcrl.sim.fit.fit_phases`: each piece keeps the shape it had alone,
+its level is scaled so that the simulated baseline spends the measured
+seconds in that phase; ``--no-fit`` skips this), and every mode is
+simulated with the same factors. ``--check`` then plays every mode of the results
 file it knows (not the vLLM ones) in the simulator and prints the predicted
 ratio to ``colocated_t1`` next to the measured one (target: within 10 %).
 """
@@ -51,7 +57,8 @@ from _bench import ROOT
 
 sys.path.insert(0, str(ROOT))
 from hpcrl.data.longtail import MIN_LEN, length_weights  # noqa: E402
-from hpcrl.sim import Costs, Workload, simulate  # noqa: E402
+from hpcrl.sim import Costs, Workload, fit_phases, simulate  # noqa: E402
+from hpcrl.sim.fit import scaled  # noqa: E402
 
 B, G, ROWS, MAX_NEW = 16, 8, 64, 26
 MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
@@ -291,6 +298,24 @@ def baseline_costs(run: dict, spool_per_group_s: float) -> dict:
             "colocated_pass_s": max(0.0, spool_s) / engine_steps}
 
 
+# bench_async's rollout time split -> the simulator's phases; the first four are what the baseline fit scales
+SPLIT_PHASES = {"decode": "rollout/decode", "admit_prefill": "rollout/admit_prefill", "reward": "rollout/reward",
+                "ledger": "rollout/ledger", "rebuild_prefill": "rollout/rebuild_prefill",
+                "weights_transfer": "rollout/weights"}
+FITTED = ("rollout/decode", "rollout/admit_prefill", "trainer/update")
+
+
+def measured_phases(run: dict) -> dict[str, float]:
+    """A bench_async run's seconds in each simulator phase (the rollout's split of its wall time, or of the
+    colocated loop's generating time; the trainer's update and publish)."""
+    loop = run["trainer_loop_s"]
+    generating = run.get("rollout_wall_s") or run["rollout_busy"] * loop
+    out = {phase: run["rollout_time_split"][k] * generating for k, phase in SPLIT_PHASES.items()}
+    out["trainer/update"] = run["update_s_per_step"] * run["steps"]
+    out["trainer/publish"] = run["publish_share"] * loop
+    return out
+
+
 def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tuple[Workload, Costs]:
     """The simulator's workload and costs for one bench_async mode (scripts/bench_async.py MODES)."""
     lengths, prompt = task_lengths()
@@ -314,7 +339,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
     return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, **base), costs
 
 
-def check(costs_file: Path, results_file: Path, out: Path | None) -> None:
+def check(costs_file: Path, results_file: Path, out: Path | None, fit: bool = True) -> None:
     measured = json.loads(costs_file.read_text())
     runs = json.loads(results_file.read_text())["runs"]
     if "colocated_t1" not in runs:
@@ -323,21 +348,30 @@ def check(costs_file: Path, results_file: Path, out: Path | None) -> None:
     if missing:
         raise SystemExit(f"{results_file}: written by an older bench_async.py (colocated_t1 lacks {missing}); "
                          "run it again")
-    rows, base = {}, None
+    rows, base, factors = {}, None, {}
     uniform = uniform_share(runs["colocated_t1"], measured)
     measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"], measured["threads1"]["spool_per_group_s"])}
     print(f"groups left out of the loss (uniform rewards): {100 * uniform:.0f} %; from the baseline run: "
           + ", ".join(f"{k} {v:.3g}" for k, v in measured["baseline"].items()))
+    if fit and "update_s_per_step" in runs["colocated_t1"]:  # levels fitted on the baseline's own time split
+        work, costs = mode_setup("colocated_t1", runs["colocated_t1"], measured, uniform)
+        phases = measured_phases(runs["colocated_t1"])
+        _, factors = fit_phases(work, costs, {k: phases[k] for k in FITTED})
+        print("fitted on colocated_t1: " + ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
     for name, run in runs.items():
         if name.startswith("vllm") or not (name.startswith("colocated") or "eta" in name):
             print(f"{name}: skipped (another engine, or a mode this script does not know)")
             continue
         work, costs = mode_setup(name, run, measured, uniform)
+        costs = scaled(costs, factors)  # the loop's overhead on each piece, as the baseline measured it
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
                       "simulated_samples_per_s": float(np.mean([r.samples_per_s for r in sims])),
                       "simulated_trainer_busy": float(np.mean([r.trainer_busy for r in sims])),
-                      "simulated_rollout_busy": float(np.mean([r.rollout_busy for r in sims]))}
+                      "simulated_rollout_busy": float(np.mean([r.rollout_busy for r in sims])),
+                      # seconds per trainer step in each phase, simulated and (where the run has its split) measured
+                      "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
+                                              v / run["steps"]) for k, v in phases_of(run).items()}}
     base = rows["colocated_t1"]
     print(f"{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}   (ratio to colocated_t1; samples/s)")
     for name, r in rows.items():
@@ -346,12 +380,20 @@ def check(costs_file: Path, results_file: Path, out: Path | None) -> None:
         r["error"] = r["simulated_ratio"] / r["measured_ratio"] - 1
         print(f"{name:28s} {r['measured_ratio']:9.2f} {r['simulated_ratio']:9.2f} {100 * r['error']:+6.1f}%   "
               f"({r['measured_samples_per_s']:.0f} vs {r['simulated_samples_per_s']:.0f})")
+        if r["phases_per_step"]:  # ms per step, simulated / measured
+            print("    " + ", ".join(f"{k.split('/')[1]} {1e3 * a:.0f}/{1e3 * b:.0f}"
+                                     for k, (a, b) in r["phases_per_step"].items()))
     worst = max(abs(r["error"]) for r in rows.values())
     print(f"largest ratio error {100 * worst:.1f}% (target 10%)")
     if out:
         out.write_text(json.dumps({"costs": str(costs_file), "results": str(results_file), "modes": rows,
-                                   "uniform_share": uniform, "largest_error": worst}, indent=1))
+                                   "uniform_share": uniform, "fitted_on_baseline": factors,
+                                   "largest_error": worst}, indent=1))
         print(f"wrote {out}")
+
+
+def phases_of(run: dict) -> dict[str, float]:
+    return measured_phases(run) if "update_s_per_step" in run and "rollout_time_split" in run else {}
 
 
 def dataclasses_replace(work: Workload, **changes) -> Workload:
@@ -366,6 +408,8 @@ def main() -> None:
     ap.add_argument("--costs", type=Path, help="a cost model written by --out")
     ap.add_argument("--check", type=Path, help="a bench_async results file to compare the simulator with")
     ap.add_argument("--check-out", type=Path, help="write the comparison here")
+    ap.add_argument("--no-fit", action="store_true",
+                    help="with --check: the pieces' costs as measured alone, not fitted to the baseline's split")
     ap.add_argument("--_child")
     ap.add_argument("--_threads", type=int, default=1)
     ap.add_argument("--_model", type=Path)
@@ -386,7 +430,7 @@ def main() -> None:
     if args.check:
         if not (args.costs or args.out):
             ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")
-        check(args.costs or args.out, args.check, args.check_out)
+        check(args.costs or args.out, args.check, args.check_out, fit=not args.no_fit)
     if not (args.out or args.check):
         ap.error("nothing to do: --out to measure, --check to compare")
 

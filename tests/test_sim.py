@@ -40,6 +40,25 @@ def test_colocated_step_is_generation_then_training() -> None:
     assert (r.samples, r.tokens) == (steps * rows, steps * rows * length)
     assert r.staleness_hist == {0: steps * rows * length}  # synchronous: every token from the trained version
     assert r.trainer_busy == pytest.approx(train / (generate + train))
+    assert r.phases == pytest.approx({  # the time split bench_async measures, phase by phase
+        "rollout/admit_prefill": steps * (2e-3 + 1e-5 * b * prompt), "rollout/decode": steps * decode,
+        "rollout/ledger": 0.0, "rollout/reward": steps * b * g * 3e-4, "rollout/spool_look": 0.0,
+        "rollout/spool_write": 0.0, "rollout/weights": 0.0, "trainer/publish": steps * 7e-3,
+        "trainer/spool": steps * 4e-4 * b, "trainer/update": steps * (0.05 + 2e-5 * rows * (length + prompt))},
+        rel=1e-9)
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_the_phases_add_up_to_the_busy_time_on_shared_cores(kv: str) -> None:
+    work = Workload(steps=30, max_staleness=3, replicas=2, kv_on_update=kv, shared_cores=True, response_tokens=(4, 30),
+                    prompt_tokens=10, max_batch_rows=24)
+    pipe = Pipeline(work, dataclasses.replace(Costs(), shared_slowdown=1.7, reward_per_sample_s=1e-4, admit_s=1e-4))
+    r = pipe.run()
+    rollout = sum(v for k, v in r.phases.items() if k.startswith("rollout/"))
+    running = sum(sum(rep._parts.values()) for rep in pipe.replicas if rep.busy)  # cut by the run's end: not finished
+    assert rollout <= sum(r.rollout_busy_s) + 1e-9 and sum(r.rollout_busy_s) <= rollout + running + 1e-9
+    assert sum(v for k, v in r.phases.items() if k.startswith("trainer/")) == pytest.approx(r.trainer_busy_s, rel=1e-9)
+    assert (r.phases.get("rollout/rebuild_prefill", 0) > 0) == (kv == "recompute") and r.phases["rollout/weights"] > 0
 
 
 def test_an_unbounded_rollout_keeps_its_engine_full() -> None:
@@ -186,3 +205,22 @@ def test_the_command_sweeps_a_setting_and_refuses_unknown_ones(tmp_path, capsys)
                           '"shared_slowdown": {"mean": 1.1}}')
     main(["--costs", str(calibrated), "--threads", "2", "steps=3", "--json", str(out)])
     assert __import__("json").loads(out.read_text())["costs"]["train_step_s"] == 0.1
+
+
+def test_the_fit_finds_the_levels_a_measured_run_had() -> None:
+    """A 'measured' run is simulated with some costs 1.6x and 0.7x what the model says; fitted on its time split,
+    the model finds those factors, and predicts another mode it was not fitted on."""
+    from hpcrl.sim import fit_phases
+    from hpcrl.sim.fit import scaled
+
+    work = Workload(mode="colocated", max_staleness=0, steps=20, response_tokens=(6, 12, 30), prompt_tokens=9)
+    model = dataclasses.replace(Costs(), reward_per_sample_s=1e-4, admit_s=2e-4)
+    truth = {"rollout/decode": 1.6, "rollout/admit_prefill": 0.7, "rollout/reward": 2.0, "trainer/update": 1.3}
+    real = scaled(model, truth)
+    measured = {k: v for k, v in simulate(work, real).phases.items() if k in truth}
+    fitted, factors = fit_phases(work, model, measured, seeds=(0,))
+    assert factors == pytest.approx(truth, rel=1e-6)
+    other = Workload(max_staleness=2, steps=20, response_tokens=(6, 12, 30), prompt_tokens=9)
+    assert simulate(other, fitted).samples_per_s == pytest.approx(simulate(other, real).samples_per_s, rel=1e-6)
+    with pytest.raises(ValueError, match="does not know"):
+        fit_phases(work, model, {"rollout/idle": 1.0})

@@ -1,10 +1,12 @@
 """The pipeline simulator: what a run of hpcrl would do with given costs, without running it.
 
 :mod:`hpcrl.sim.model` holds the cost model and the workload,
-:mod:`hpcrl.sim.pipeline` the discrete-event simulation. Light: no torch.
+:mod:`hpcrl.sim.pipeline` the discrete-event simulation, :mod:`hpcrl.sim.fit`
+the fit of a cost model to a measured run's time split. Light: no torch.
 """
 
 from hpcrl.sim.model import Costs, Result, Workload
 from hpcrl.sim.pipeline import Pipeline, simulate
+from hpcrl.sim.fit import fit_phases
 
-__all__ = ["Costs", "Pipeline", "Result", "Workload", "simulate"]
+__all__ = ["Costs", "Pipeline", "Result", "Workload", "fit_phases", "simulate"]

@@ -98,6 +98,7 @@ class Pipeline:
         self.trainer_busy_s = 0.0
         self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = 0
         self.staleness: Counter = Counter()
+        self.phases: Counter = Counter()  # "trainer/update", "rollout/decode", ...: seconds of finished work
         self.trained_tickets: list[int] = []
         self.replicas = [_Replica(self, i) for i in range(work.replicas)]
 
@@ -127,7 +128,8 @@ class Pipeline:
             r.stop()  # a step still running counts up to now
         return Result(wall_s=self.now, samples=self.samples, tokens=self.tokens, trainer_busy_s=self.trainer_busy_s,
                       rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
-                      staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures)
+                      staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures,
+                      phases=dict(sorted(self.phases.items())))
 
     def slowdown(self, other_busy: bool) -> float:
         return self.costs.shared_slowdown if (self.work.shared_cores and other_busy) else 1.0
@@ -163,7 +165,11 @@ class Pipeline:
         trained = [g for g in batch if self.rng.random() >= self.work.uniform_share]  # uniform groups: no loss
         tokens = sum(g.tokens for g in trained) + len(trained) * g_size * self.work.prompt_tokens
         publish = self.costs.colocated_publish_s if self.colocated else self.costs.publish_s
-        cost = (self.costs.train(tokens, len(batch)) + publish) * self.slowdown(any(r.busy for r in self.replicas))
+        slow = self.slowdown(any(r.busy for r in self.replicas))
+        parts = {"update": self.costs.train(tokens, 0), "spool": self.costs.spool_per_group_s * len(batch),
+                 "publish": publish}
+        self.phases.update({f"trainer/{k}": v * slow for k, v in parts.items()})
+        cost = sum(parts.values()) * slow
         self.trainer_busy_s += cost
         for g in batch:
             self.trained_tickets.append(g.ticket)
@@ -200,6 +206,7 @@ class _Replica:
         self.life = 0  # bumped at each failure: events of an earlier life are ignored
         self._finishing: list[_Group] = []
         self._started = 0.0  # when the running step started
+        self._parts: Counter = Counter()  # the running step's seconds by phase (added to the run's when it ends)
 
     def start(self) -> None:
         if self.work.rollout_failures_per_hour > 0:
@@ -212,13 +219,13 @@ class _Replica:
 
     def _step(self) -> None:
         pipe, costs, work = self.pipe, self.costs, self.work
-        cost = 0.0
+        parts = self._parts = Counter()  # this step's seconds by phase, before the shared-core slowdown
         poll = pipe.colocated or costs.weights_poll_s <= 0 or pipe.now >= self.next_poll or not self.rows
         if poll and pipe.version > self.version:
             self.next_poll = pipe.now + costs.weights_poll_s
-            cost += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: the trainer's publish loaded them
+            parts["weights"] += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: loaded by the publish
             if work.kv_on_update == "recompute" and self.rows:
-                cost += costs.prefill(sum(work.prompt_tokens + r.done for r in self.rows))
+                parts["rebuild_prefill"] += costs.prefill(sum(work.prompt_tokens + r.done for r in self.rows))
             self.version = pipe.version
         elif poll:
             self.next_poll = pipe.now + costs.weights_poll_s
@@ -231,16 +238,18 @@ class _Replica:
             self.rows += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
             admitted += 1
         if admitted:  # one prefill call for what was admitted together, each group's prompt once
-            cost += admitted * costs.admit_s + costs.prefill(admitted * work.prompt_tokens)
+            parts["ledger"] += admitted * costs.admit_s
+            parts["admit_prefill"] += costs.prefill(admitted * work.prompt_tokens)
         finished: list[_Group] = []
         if not self.rows:
-            if cost == 0:
+            if sum(parts.values()) == 0:
                 self.busy = False
                 return  # wait for new weights or a reissued ticket (Pipeline.wake)
-            self._busy_for(cost * pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
+            self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
             return
         context = sum(work.prompt_tokens + r.done for r in self.rows)
-        cost += costs.decode(len(self.rows), context) + (costs.colocated_pass_s if pipe.colocated else 0.0)
+        parts["decode"] += costs.decode(len(self.rows), context)
+        parts["spool_look"] += costs.colocated_pass_s if pipe.colocated else 0.0
         for r in self.rows:
             r.done += 1
             r.group.tokens += 1
@@ -250,10 +259,14 @@ class _Replica:
                 if r.group.rows_left == 0:
                     finished.append(r.group)
         self.rows = [r for r in self.rows if r.done < r.length]
-        cost += len(finished) * (work.group_size * costs.reward_per_sample_s + costs.spool_write_per_group_s)
-        self._busy_for(cost * pipe.slowdown(pipe.trainer_busy), finished)
+        parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
+        parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
+        self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
 
-    def _busy_for(self, cost: float, finished: list[_Group]) -> None:
+    def _busy_for(self, slow: float, finished: list[_Group]) -> None:
+        """Run this step's parts (times ``slow``, the shared-core slowdown); ``finished`` is handed over at its end."""
+        self._parts = Counter({k: v * slow for k, v in self._parts.items()})
+        cost = sum(self._parts.values())
         self.busy = True
         self._started = self.pipe.now
         self._finishing = finished  # done by this step, handed over at its end: lost if the replica fails first
@@ -270,6 +283,7 @@ class _Replica:
         if life != self.life:
             return
         self.busy_s += self.pipe.now - self._started
+        self.pipe.phases.update({f"rollout/{k}": v for k, v in self._parts.items()})
         for g in finished:  # still busy meanwhile: a wake from the trainer must not start a second step
             self.pipe.offer(g)
         self.busy = False
