@@ -333,7 +333,9 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
     if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
         load = run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] / run["rollout_weight_updates"]
     costs = Costs(**{**measured["threads1"], **extra, "publish_s": publish, "weights_load_s": load,
-                     "weights_poll_s": 0.0 if "disk" in name else 0.02},
+                     "weights_poll_s": 0.0 if "disk" in name else 0.02,
+                     # rollout.poll_interval_s and the trainer's batch wait (hpcrl.trainer.main.batch_wait)
+                     "rollout_idle_poll_s": 0.02, "trainer_poll_s": 0.01},
                   shared_slowdown=measured["shared_slowdown"]["mean"])
     kv = "keep" if "keepkv" in name else "recompute"
     return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, **base), costs

@@ -224,3 +224,24 @@ def test_the_fit_finds_the_levels_a_measured_run_had() -> None:
     assert simulate(other, fitted).samples_per_s == pytest.approx(simulate(other, real).samples_per_s, rel=1e-6)
     with pytest.raises(ValueError, match="does not know"):
         fit_phases(work, model, {"rollout/idle": 1.0})
+
+
+def test_an_idle_rollout_and_a_waiting_trainer_see_news_at_their_next_look() -> None:
+    """One group of one token per step, synchronous: a decode step d, a train step t. A rollout that sleeps p
+    between looks resumes on its grid of looks (a period of d + ceil(t/p) p); a trainer that looks every q
+    starts on its own (ceil(d/q) q + t). Colocated, neither polls: one process hands over in memory."""
+    from hpcrl.sim.pipeline import next_tick
+
+    d, t, n = 0.01, 0.025, 5
+    costs = dataclasses.replace(ZERO, decode_s=d, train_step_s=t)
+    work = Workload(steps=n, batch_groups=1, group_size=1, max_staleness=0, response_tokens=(1,), prompt_tokens=1,
+                    max_batch_rows=1)
+    assert simulate(work, costs).wall_s == pytest.approx(n * (d + t))
+    slept = simulate(work, dataclasses.replace(costs, rollout_idle_poll_s=0.02))
+    assert slept.wall_s == pytest.approx((n - 1) * (d + 0.04) + d + t)
+    looked = simulate(work, dataclasses.replace(costs, trainer_poll_s=0.015))
+    assert looked.wall_s == pytest.approx(n * (0.015 + t))
+    colocated = dataclasses.replace(work, mode="colocated")
+    assert (simulate(colocated, dataclasses.replace(costs, rollout_idle_poll_s=0.02, trainer_poll_s=0.015)).wall_s
+            == pytest.approx(simulate(colocated, costs).wall_s))
+    assert [next_tick(1.0, x, 0.5) for x in (0.5, 1.0, 1.2, 1.5, 1.51)] == [0.5, 1.0, 1.5, 1.5, 2.0]

@@ -34,6 +34,10 @@ class Costs:
     spool_write_per_group_s: float = 0.0  # on the generating thread (0: a writer thread publishes)
     weights_load_s: float = 5e-3  # the rollout receives and loads one new version
     weights_poll_s: float = 0.02  # how often a generating rollout looks for new weights (0: every step)
+    # a rollout with nothing to do (no ticket, nothing in flight) sleeps this long between looks (rollout.
+    # poll_interval_s), and a trainer waiting for its batch looks at the spool this often (0: woken at once)
+    rollout_idle_poll_s: float = 0.0
+    trainer_poll_s: float = 0.0
     # the trainer's step: fixed part, per trained token (prompt and response), per group read from the spool
     train_step_s: float = 0.05
     train_per_token_s: float = 2e-6

@@ -19,11 +19,14 @@ measured:
   for the groups admitted together, each group's prompt once), decode one
   token on every active row. A finished group is scored
   and handed to the spool at the end of the step. With nothing to decode and
-  no ticket it waits for the next version.
+  no ticket it waits for the next version or a reissued ticket, which it
+  sees at its next look (every ``rollout_idle_poll_s`` from when it went
+  idle; at once when 0).
 * **The trainer** takes ``B`` ready groups whose oldest token is at most
   ``eta`` versions behind, oldest first, trains the tokens of those that are
   not uniform (``Workload.uniform_share``), publishes, and wakes the
-  waiting replicas; a group that went stale is set aside and its ticket
+  waiting replicas; waiting for a batch, it looks at the spool every
+  ``trainer_poll_s`` from the end of its last step; a group that went stale is set aside and its ticket
   reissued.
 * **Colocated** (``Workload.mode``): one process alternates, which is the
   same protocol at ``eta = 0`` with the publish done in memory and no poll.
@@ -39,6 +42,7 @@ loop until the trainer has made ``Workload.steps`` steps, and returns a
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -96,6 +100,7 @@ class Pipeline:
         self.ready: list[_Group] = []
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
+        self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
         self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = 0
         self.staleness: Counter = Counter()
         self.phases: Counter = Counter()  # "trainer/update", "rollout/decode", ...: seconds of finished work
@@ -156,9 +161,10 @@ class Pipeline:
         self.ready.sort(key=lambda g: (g.min_version, g.ticket))
         batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
         self.trainer_busy = True
-        # begins once the event that completed the batch is over: a replica handing its last group over is busy
-        # until then, and only its next step says whether the rollout side is
-        self.at(self.now, lambda: self._train(batch))
+        # begins once the event that completed the batch is over (a replica handing its last group over is busy
+        # until then, and only its next step says whether the rollout side is), at the waiting trainer's next look
+        poll = 0.0 if self.colocated else self.costs.trainer_poll_s
+        self.at(next_tick(self.waiting_since, self.now, poll), lambda: self._train(batch))
 
     def _train(self, batch: list[_Group]) -> None:
         g_size = self.work.group_size
@@ -181,6 +187,7 @@ class Pipeline:
 
     def _published(self) -> None:
         self.trainer_busy = False
+        self.waiting_since = self.now
         self.version += 1
         self.wake()
         self.try_train()
@@ -207,6 +214,8 @@ class _Replica:
         self._finishing: list[_Group] = []
         self._started = 0.0  # when the running step started
         self._parts: Counter = Counter()  # the running step's seconds by phase (added to the run's when it ends)
+        self._idle_since = 0.0  # when it last found nothing to do (its sleeps between looks count from there)
+        self._look_due = False  # a look at the end of the current sleep is scheduled
 
     def start(self) -> None:
         if self.work.rollout_failures_per_hour > 0:
@@ -214,7 +223,19 @@ class _Replica:
         self._step()
 
     def wake(self) -> None:
-        if self.up and not self.busy:  # waiting for weights or a ticket: look now
+        """New weights or a reissued ticket: an idle replica sees it at its next look."""
+        if not self.up or self.busy or self._look_due:
+            return
+        poll = 0.0 if self.pipe.colocated else self.costs.rollout_idle_poll_s
+        if poll <= 0:
+            self._step()
+            return
+        self._look_due, life = True, self.life
+        self.pipe.at(next_tick(self._idle_since, self.pipe.now, poll), lambda: self._look(life))
+
+    def _look(self, life: int) -> None:
+        self._look_due = False
+        if life == self.life and self.up and not self.busy:
             self._step()
 
     def _step(self) -> None:
@@ -243,7 +264,7 @@ class _Replica:
         finished: list[_Group] = []
         if not self.rows:
             if sum(parts.values()) == 0:
-                self.busy = False
+                self.busy, self._idle_since = False, pipe.now
                 return  # wait for new weights or a reissued ticket (Pipeline.wake)
             self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
             return
@@ -315,6 +336,13 @@ class _Replica:
         self.version = -1  # a fresh process: it loads the current weights at its first step
         self._schedule_failure()
         self._step()
+
+
+def next_tick(since: float, now: float, every: float) -> float:
+    """The first of the looks ``since``, ``since + every``, ... at or after ``now`` (``now`` when ``every`` is 0)."""
+    if every <= 0 or now <= since:
+        return now
+    return since + math.ceil((now - since) / every - 1e-9) * every
 
 
 def simulate(work: Workload, costs: Costs) -> Result:
