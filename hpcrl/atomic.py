@@ -42,8 +42,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``."""
+def write_bytes(path: str | os.PathLike, data: bytes, sync_dir: bool = True) -> None:
+    """Atomically replace ``path`` with ``data`` (its content fsynced before the rename; the rename made durable
+    too unless ``sync_dir`` is False: a caller that fsyncs the directory later itself)."""
     path = Path(path)
     tmp = _tmp_name(path)
     with open(tmp, "wb") as f:
@@ -51,15 +52,16 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    write_bytes(path, text.encode())
+def write_text(path: str | os.PathLike, text: str, sync_dir: bool = True) -> None:
+    write_bytes(path, text.encode(), sync_dir)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+def write_json(path: str | os.PathLike, obj: Any, sync_dir: bool = True) -> None:
+    write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n", sync_dir)
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -83,6 +83,7 @@ def _run(run_dir: Path) -> None:
         train_loop(cfg, ctx, engine, feed, reporter, publish, wait=wait, heartbeat=heartbeat,
                    checkpointer=checkpointer, start_version=start, fence=fence)
         fence.check("DONE")
+        feed.sync()  # the last steps' commits, if no checkpoint came after them
         atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
         write_stats(run_dir / "logs" / "colocated.stats.json", worker)
     except Preempted as e:

@@ -469,7 +469,38 @@ def test_claims_and_commits_are_renames_until_sync_makes_them_durable(tmp_path: 
     assert sp.sync() == 0 and len(synced) == 5, "nothing moved since: nothing to sync"
     sp.mark_trained(c[3:], step=6)  # a commit into an existing step folder: that folder and claimed/
     sp.sync()
-    assert synced[5:] == [step6, sp.claimed_dir]
+    assert synced[5:] == [step6, sp.claimed_dir, sp.trained_dir]
+
+
+def test_a_move_aside_keeps_its_reason_durable_and_its_directories_for_the_next_sync(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """The reason's content is fsynced before the data file moves; both names become durable at the next sync, the
+    trainer's per-step cost staying renames only (a stale file set aside per step was three fsyncs)."""
+    import hpcrl.atomic as atomic
+    import hpcrl.spool.store as store
+
+    sp = Spool(tmp_path)
+    for t in range(2):
+        sp.publish(make_group(ticket=t))
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync:{os.readlink(f'/proc/self/fd/{fd}')}"),
+                                                   real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
+    dirs: list[Path] = []
+    monkeypatch.setattr(store, "fsync_dir", dirs.append)
+    monkeypatch.setattr(atomic, "fsync_dir", dirs.append)
+    first, second = sp.ready()
+    sp.drop(first, "stale")
+    [claimed] = sp.claim([second])
+    sp.quarantine(claimed, "bad")
+    reason = sp.dropped_dir / (first.name + ".reason.json")
+    assert sp.reason(sp.dropped()[0])["reason"] == "stale"
+    assert any(e.startswith("fsync:") and ".reason.json" in e for e in events), "the reason's content is durable"
+    assert events.index(f"rename:{first.path}") > max(i for i, e in enumerate(events) if e.startswith("fsync:")
+                                                     and str(reason.parent) in e and "reason" in e)
+    assert dirs == [], "no directory fsync per move"
+    assert sp.sync() == 4 and set(dirs) == {sp.dropped_dir, sp.ready_dir, sp.claimed_dir, sp.quarantine_dir}
 
 
 def test_the_trainer_makes_the_spool_durable_before_it_commits_a_checkpoint() -> None:

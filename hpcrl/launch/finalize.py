@@ -36,6 +36,7 @@ def finalize(run_dir: Path, fence: Fence | None = None) -> dict[str, int]:
             continue
         spool.drop(entry, "run ended before it was trained")
         ledger.record_drop(entry.ticket, "run ended before it was trained")
+    spool.sync()
     dropped = set(ledger.dropped())
     in_flight = [n for n in ledger.holders() if n not in trained and n not in dropped]
     for n in in_flight:

@@ -19,14 +19,18 @@ and after the step moves them to ``trained/step_N/`` (``mark_trained``) or to
 ``dropped/`` with a reason (``drop``). On resume, files still in ``claimed/``
 that the checkpoint does not cover go back to ``ready/`` (``release_claimed``).
 
-Durability: a publish and a move aside are fsynced at once (data, then the
-directory entry). A claim and a commit are not: resume puts every file that
-is claimed, or trained after the checkpoint it restores, back in ``ready/``,
-so a claim or commit that a crash of the machine undid changes nothing that
-resume would keep. What must be durable is every commit a checkpoint covers:
-the trainer calls :meth:`Spool.sync` (the directories of the moves since the
-last sync) before it commits a checkpoint, so the per-step cost is renames
-only (design.md §3.5).
+Durability: a publish is fsynced at once (data, then the directory entry):
+it is the rollout's hand-over. The trainer's moves are renames whose
+directories :meth:`Spool.sync` fsyncs before the trainer commits a
+checkpoint (design.md §3.5), so its per-step cost is renames only. That is
+enough because resume puts every file that is claimed, or trained after the
+checkpoint it restores, back in ``ready/``: a claim or commit that a crash
+of the machine undid changes nothing resume would keep. A move aside (its
+reason file's content is fsynced before the move) that a crash undid leaves
+the file where it was, and the trainer's next look sets it aside again, or
+quarantines it when the ledger already records its ticket's outcome
+(:class:`~hpcrl.trainer.feed.BatchFeed`); the ledger's records are durable
+on their own.
 
 Ordering rules: every move is one ``rename`` on the same filesystem, hence
 atomic; a reason file is written (atomically) *before* its data file is moved,
@@ -284,9 +288,7 @@ class Spool:
         next :meth:`sync`: resume releases what is trained after its checkpoint, so only a checkpoint needs it."""
         self.fence.check("spool commit")
         d = self.trained_dir / f"step_{step:06d}"
-        if not d.is_dir():
-            d.mkdir(exist_ok=True)
-            self._unsynced.add(self.trained_dir)
+        d.mkdir(exist_ok=True)
         for e in entries:
             dst = d / e.name
             try:
@@ -295,11 +297,12 @@ class Spool:
                 if not dst.exists():
                     raise
                 # already moved by an earlier, interrupted call
-        self._unsynced |= {d, self.claimed_dir}
+        self._unsynced |= {d, self.claimed_dir, self.trained_dir}  # the step folder's own entry too, made or found
 
     def sync(self) -> int:
-        """Make every claim and commit since the last sync durable (one fsync per directory they touched, step
-        folders before their parent); the trainer calls it before it commits a checkpoint. Returns the count."""
+        """Make every move since the last sync durable (one fsync per directory the claims, commits and moves
+        aside touched, sub-folders before their parent); the trainer calls it before it commits a checkpoint, the
+        run's finalizer at its end. Returns the count of directories."""
         dirs = sorted(self._unsynced, key=lambda d: (-len(d.parts), str(d)))
         for d in dirs:
             fsync_dir(d)
@@ -320,8 +323,9 @@ class Spool:
         return read_json(p) if p.exists() else None
 
     def _set_aside(self, entry: SpoolEntry, directory: Path, reason: str) -> None:
-        """Move ``entry`` aside with its reason. A second file of the same name (a ticket regenerated
-        and set aside again, e.g. across trainer restarts) goes to ``again-<k>/``: nothing is overwritten."""
+        """Move ``entry`` aside with its reason (durable at the next :meth:`sync`). A second file of the same name
+        (a ticket regenerated and set aside again, e.g. across trainer restarts) goes to ``again-<k>/``: nothing is
+        overwritten."""
         self.fence.check(f"spool move to {directory.name}/")
         dst, k = directory / entry.name, 0
         while dst.exists() or dst.with_name(dst.name + REASON_SUFFIX).exists():  # data pruned, reason kept
@@ -330,9 +334,9 @@ class Spool:
             dst = directory / f"again-{k}" / entry.name
         record = {"reason": reason, "time": time.time(), "from": entry.path.parent.name,
                   "ticket": entry.ticket, "writer": entry.writer}
-        write_json(dst.parent / (entry.name + REASON_SUFFIX), record)
+        write_json(dst.parent / (entry.name + REASON_SUFFIX), record, sync_dir=False)  # content durable now
         _rename_noreplace(entry.path, dst)
-        fsync_dir(dst.parent)
+        self._unsynced |= {dst.parent, entry.path.parent}  # both names durable at the next sync
         if directory == self.dropped_dir and self._dropped_data is not None:
             self._dropped_data.append(dst)  # followed for prune_set_aside
 

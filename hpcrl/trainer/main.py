@@ -264,6 +264,7 @@ def _run(run_dir: Path) -> None:
                    heartbeat=heartbeat, checkpointer=checkpointer, start_version=start, preempt=preempt, fence=fence)
         if ctx.is_main:
             fence.check("DONE")
+            feed.sync()  # the last steps' commits, if no checkpoint came after them
             atomic.write_json(run_dir / "DONE", {"version": cfg.trainer.total_steps, "time": time.time()})
             log.info("done: %d steps", cfg.trainer.total_steps)
     except Preempted as e:
