@@ -323,7 +323,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
     extra = measured.get("baseline", {})
     costs = Costs(**{**measured[f"threads{threads}"], **extra}, shared_slowdown=measured["shared_slowdown"]["mean"])
     base = dict(steps=run["steps"], batch_groups=B, group_size=G, max_batch_rows=ROWS, prompt_tokens=round(prompt),
-                response_tokens=tuple(lengths), uniform_share=uniform)
+                response_tokens=tuple(lengths), uniform_share=uniform, queued_groups=1)  # hpcrl's worker holds one
     if name.startswith("colocated"):
         return Workload(mode="colocated", max_staleness=0, **base), costs
     eta = int(name.split("eta")[1].split("_")[0])
@@ -332,7 +332,10 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
     load = costs.weights_load_s
     if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
         load = run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] / run["rollout_weight_updates"]
-    costs = Costs(**{**measured["threads1"], **extra, "publish_s": publish, "weights_load_s": load,
+    alone = measured["threads1"]
+    rebuild = {"rebuild_prefill_s": alone.get("rebuild_prefill_s", alone["prefill_s"]),  # one call over every row:
+               "rebuild_prefill_per_token_s": alone.get("rebuild_prefill_per_token_s", alone["prefill_per_token_s"])}
+    costs = Costs(**{**alone, **extra, **rebuild, "publish_s": publish, "weights_load_s": load,
                      "weights_poll_s": 0.0 if "disk" in name else 0.02,
                      # rollout.poll_interval_s and the trainer's batch wait (hpcrl.trainer.main.batch_wait)
                      "rollout_idle_poll_s": 0.02, "trainer_poll_s": 0.01},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import pytest
 
@@ -16,7 +17,7 @@ ZERO = Costs(decode_s=0.0, decode_per_row_s=0.0, prefill_s=0.0, prefill_per_toke
 
 def assert_no_ticket_lost(pipe: Pipeline) -> None:
     """Every ticket the ledger created was trained once, or is still on its way (in an engine, ready, reissued)."""
-    groups_in_engines = {id(row.group): row.group for r in pipe.replicas for row in r.rows}.values()
+    groups_in_engines = {id(row.group): row.group for r in pipe.replicas for row in r.rows + r.waiting}.values()
     everywhere = (pipe.trained_tickets + [g.ticket for g in pipe.ready] + pipe.ledger.reissued
                   + [g.ticket for g in groups_in_engines]
                   + [g.ticket for r in pipe.replicas if r.busy for g in r._finishing])  # finished in a running step
@@ -154,13 +155,16 @@ def test_a_workload_the_bound_cannot_serve_is_refused() -> None:
         Workload(mode="colocatd")
     with pytest.raises(ValueError, match="kv_on_update"):
         Workload(kv_on_update="recomp")
+    with pytest.raises(ValueError, match="queued_groups"):
+        Workload(queued_groups=-1)
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_no_ticket_is_lost_whatever_fails_when(seed: int) -> None:
     for eta in (0, 1, 3):
         work = Workload(max_staleness=eta, steps=30, batch_groups=4, group_size=4, replicas=3, uniform_share=0.3,
-                        response_tokens=(2, 5, 40), rollout_failures_per_hour=3600 * 3, restart_s=0.2, seed=seed)
+                        response_tokens=(2, 5, 40), rollout_failures_per_hour=3600 * 3, restart_s=0.2, seed=seed,
+                        queued_groups=seed % 3, max_batch_rows=10)  # rows enter the engine part of a group too
         pipe = Pipeline(work, Costs())
         r = pipe.run()
         assert_no_ticket_lost(pipe)
@@ -245,3 +249,17 @@ def test_an_idle_rollout_and_a_waiting_trainer_see_news_at_their_next_look() -> 
     assert (simulate(colocated, dataclasses.replace(costs, rollout_idle_poll_s=0.02, trainer_poll_s=0.015)).wall_s
             == pytest.approx(simulate(colocated, costs).wall_s))
     assert [next_tick(1.0, x, 0.5) for x in (0.5, 1.0, 1.2, 1.5, 1.51)] == [0.5, 1.0, 1.5, 1.5, 2.0]
+
+
+def test_a_replica_holds_tickets_for_one_group_beyond_its_rows_and_its_engine_takes_them_as_rows_free() -> None:
+    work = Workload(steps=3, batch_groups=2, group_size=2, max_batch_rows=4, max_staleness=4, queued_groups=1,
+                    response_tokens=(3,))
+    pipe = Pipeline(work, dataclasses.replace(ZERO, decode_s=1e-3))
+    replica = pipe.replicas[0]
+    replica.start()
+    assert pipe.ledger.created == 3 and len(replica.rows) == 4 and len(replica.waiting) == 2
+    for _ in range(3):  # three decode steps: the first two groups finish, the waiting one enters, a fourth waits
+        pipe.now, _, fn = heapq.heappop(pipe._events)
+        fn()
+    assert pipe.ledger.created == 5 and [r.group.ticket for r in replica.rows] == [2, 2, 3, 3]
+    assert [r.group.ticket for r in replica.waiting] == [4, 4]

@@ -25,7 +25,8 @@ from hpcrl.sim.pipeline import simulate
 # phase (as Result.phases names it) -> the Costs fields its time comes from
 PHASE_FIELDS: dict[str, tuple[str, ...]] = {
     "rollout/decode": ("decode_s", "decode_per_row_s", "decode_per_context_token_s"),
-    "rollout/admit_prefill": ("prefill_s", "prefill_per_token_s"),  # the rebuild after new weights follows it
+    "rollout/admit_prefill": ("prefill_s", "prefill_per_token_s"),  # and the rebuild, unless it has its own
+    "rollout/rebuild_prefill": ("rebuild_prefill_s", "rebuild_prefill_per_token_s"),
     "rollout/reward": ("reward_per_sample_s",),
     "rollout/ledger": ("admit_s",),
     "rollout/spool_look": ("colocated_pass_s",),
@@ -38,7 +39,8 @@ PHASE_FIELDS: dict[str, tuple[str, ...]] = {
 
 def scaled(costs: Costs, factors: dict[str, float]) -> Costs:
     """``costs`` with every field of each phase in ``factors`` multiplied by that phase's factor."""
-    changes = {f: getattr(costs, f) * k for phase, k in factors.items() for f in PHASE_FIELDS[phase]}
+    changes = {f: getattr(costs, f) * k for phase, k in factors.items() for f in PHASE_FIELDS[phase]
+               if getattr(costs, f) is not None}
     return dataclasses.replace(costs, **changes)
 
 

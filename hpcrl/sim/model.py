@@ -29,6 +29,10 @@ class Costs:
     # after new weights in recompute mode, one call over every in-flight row's prompt and generated tokens
     prefill_s: float = 2e-3
     prefill_per_token_s: float = 2e-5
+    # the rebuild after new weights when it costs otherwise than an admission (one large call over every row,
+    # nothing merged into a running batch); None: as an admission's prefill
+    rebuild_prefill_s: float | None = None
+    rebuild_prefill_per_token_s: float | None = None
     reward_per_sample_s: float = 0.0  # scoring a finished sample, on the generating thread
     admit_s: float = 0.0  # the ledger's ticket per admitted group
     spool_write_per_group_s: float = 0.0  # on the generating thread (0: a writer thread publishes)
@@ -57,6 +61,11 @@ class Costs:
     def prefill(self, tokens: int) -> float:
         return self.prefill_s + self.prefill_per_token_s * tokens
 
+    def rebuild(self, tokens: int) -> float:
+        fixed = self.prefill_s if self.rebuild_prefill_s is None else self.rebuild_prefill_s
+        per = self.prefill_per_token_s if self.rebuild_prefill_per_token_s is None else self.rebuild_prefill_per_token_s
+        return fixed + per * tokens
+
     def train(self, tokens: int, groups: int) -> float:
         return self.train_step_s + self.train_per_token_s * tokens + self.spool_per_group_s * groups
 
@@ -72,6 +81,9 @@ class Workload:
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     replicas: int = 1  # rollout replicas (disaggregated)
     max_batch_rows: int = 64  # rows one replica's engine decodes at once (rollout.max_batch_size)
+    # groups a replica takes tickets for beyond its free rows, waiting to enter its engine (hpcrl's worker keeps
+    # rollout.max_batch_size + group_size rows unfinished: 1); its engine admits waiting rows G or more at a time
+    queued_groups: int = 0
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
@@ -90,8 +102,9 @@ class Workload:
         for name in ("steps", "batch_groups", "group_size", "replicas", "max_batch_rows", "prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_staleness < 0 or self.queued_groups < 0:
+            raise ValueError(f"max_staleness, queued_groups: must be >= 0, got {self.max_staleness}, "
+                             f"{self.queued_groups}")
         if self.max_batch_rows < self.group_size:
             raise ValueError(f"max_batch_rows: must hold one group ({self.group_size} rows), got {self.max_batch_rows}")
         if not self.response_tokens or min(self.response_tokens) < 1:
@@ -101,7 +114,7 @@ class Workload:
         if self.kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update: recompute or keep, got {self.kv_on_update!r}")
         for name in ("steps", "batch_groups", "group_size", "max_staleness", "replicas", "max_batch_rows",
-                     "prompt_tokens", "seed"):
+                     "prompt_tokens", "seed", "queued_groups"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
         if self.mode == "colocated" and (self.max_staleness != 0 or self.replicas != 1):

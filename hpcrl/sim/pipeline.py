@@ -205,7 +205,8 @@ class _Replica:
         self.pipe, self.index = pipe, index
         self.work, self.costs = pipe.work, pipe.costs
         self.version = 0
-        self.rows: list[_Row] = []
+        self.rows: list[_Row] = []  # in the engine
+        self.waiting: list[_Row] = []  # admitted, waiting for free rows (Workload.queued_groups)
         self.busy = False  # a step is running
         self.up = True
         self.busy_s = 0.0
@@ -246,21 +247,24 @@ class _Replica:
             self.next_poll = pipe.now + costs.weights_poll_s
             parts["weights"] += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: loaded by the publish
             if work.kv_on_update == "recompute" and self.rows:
-                parts["rebuild_prefill"] += costs.prefill(sum(work.prompt_tokens + r.done for r in self.rows))
+                parts["rebuild_prefill"] += costs.rebuild(sum(work.prompt_tokens + r.done for r in self.rows))
             self.version = pipe.version
         elif poll:
             self.next_poll = pipe.now + costs.weights_poll_s
-        admitted = 0
-        while work.max_batch_rows - len(self.rows) >= work.group_size:
+        admitted, cap = 0, work.max_batch_rows + work.queued_groups * work.group_size
+        while cap - len(self.rows) - len(self.waiting) >= work.group_size:
             ticket = pipe.ledger.try_admit(self.version)
             if ticket is None:
                 break
             group = _Group(ticket, work.group_size)
-            self.rows += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
+            self.waiting += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
             admitted += 1
-        if admitted:  # one prefill call for what was admitted together, each group's prompt once
-            parts["ledger"] += admitted * costs.admit_s
-            parts["admit_prefill"] += costs.prefill(admitted * work.prompt_tokens)
+        parts["ledger"] += admitted * costs.admit_s
+        free = work.max_batch_rows - len(self.rows)
+        if self.waiting and free >= min(work.group_size, len(self.waiting)):  # the engine admits G rows or more
+            entering, self.waiting = self.waiting[:free], self.waiting[free:]
+            self.rows += entering  # one prefill call for them, each group's prompt once
+            parts["admit_prefill"] += costs.prefill(len({id(r.group) for r in entering}) * work.prompt_tokens)
         finished: list[_Group] = []
         if not self.rows:
             if sum(parts.values()) == 0:
@@ -321,12 +325,13 @@ class _Replica:
             return
         self.life += 1
         # the groups in its engine, and those its running step finished but has not handed over yet
-        lost = {id(g): g for g in [r.group for r in self.rows] + (self._finishing if self.busy else [])}
+        lost = {id(g): g for g in [r.group for r in self.rows + self.waiting]
+                + (self._finishing if self.busy else [])}
         self.stop()  # the step it was running counts up to the failure
         self.up, self.busy = False, False
         self.pipe.failures += 1
         self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
-        self.rows, self._finishing = [], []
+        self.rows, self.waiting, self._finishing = [], [], []
         if lost:
             self.pipe.wake()
         self.pipe.at(self.pipe.now + self.work.restart_s, self._restart)
