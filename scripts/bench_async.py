@@ -112,7 +112,7 @@ def analyse(run_dir: Path) -> dict:
     steps = [r for r in records if "time/step_s" in r]
     loop = sum(r["time/step_s"] for r in steps)
     tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps)
-           for k in ("wait", "update", "publish", "commit", "spool", "read_ahead")}
+           for k in ("wait", "update", "publish", "commit", "spool", "spool_tail", "read_ahead")}
     hits, misses = (sum(r.get(f"spool/read_ahead_{k}", 0) for r in steps) for k in ("hits", "misses"))
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
     hist, read_s, n_files = spool_scan(run_dir)
@@ -120,6 +120,7 @@ def analyse(run_dir: Path) -> dict:
            "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
            "trainer_busy": (tot["update"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
            "commit_share": tot["commit"] / loop, "spool_share": tot["spool"] / loop,
+           "spool_tail_share": tot["spool_tail"] / loop,  # the part of spool_share after the batch's last group
            "read_ahead_share": tot["read_ahead"] / loop, "read_ahead_hit_rate": hits / max(hits + misses, 1),
            "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
@@ -214,7 +215,8 @@ def main() -> None:
             r["wall_s"] = time.time() - t0
             print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
                   f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
-                  f"  spool+admission {100 * r['spool_admission_share']:.1f}% (read-ahead off the loop "
+                  f"  spool+admission {100 * r['spool_admission_share']:.1f}% (after the batch's last group "
+                  f"{100 * (r['spool_tail_share'] + r['commit_share']):.1f}%; read-ahead off the loop "
                   f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
                   f"  wall {r['wall_s']:.0f}s", flush=True)
             split = r.get("rollout_time_split")

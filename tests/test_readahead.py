@@ -145,3 +145,21 @@ def test_without_read_ahead_the_feed_reads_every_file_itself(tmp_path: Path) -> 
     feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5)
     assert feed.ahead is None
     assert [g.ticket for g in feed.next_batch(0)] == [0, 1]
+
+
+def test_the_feed_tells_the_pass_that_completed_the_batch_from_those_that_waited_for_groups(tmp_path: Path) -> None:
+    """spool_tail is the pass that completed the batch: what the step waited for once its last group was there."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 2)
+    spool.publish(groups[0])
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5)
+    arrivals = [groups[1]]
+
+    def wait() -> bool:  # the second group is generated while the feed waits
+        if arrivals:
+            spool.publish(arrivals.pop())
+        return True
+
+    assert [g.ticket for g in feed.next_batch(0, wait)] == [0, 1]
+    timings, _ = feed.step_report()
+    assert 0 < timings["spool_tail"] < timings["spool"], timings  # two passes: the first one's claim is not the tail

@@ -74,6 +74,7 @@ class BatchFeed:
         self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
         self._read = self.ahead.read if self.ahead is not None else read_group
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
+        self.spool_tail_s = 0.0  # of it, the pass that completed the batch (the rest overlapped the rollouts' work)
         self._ahead_seen = (0.0, 0, 0)  # the read-ahead's (busy_s, hits, misses) at the last step_report
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.timeout_s, self.poll_s, self.relook_s = timeout_s, poll_s, relook_s
@@ -150,14 +151,16 @@ class BatchFeed:
         groups: list[TrajectoryGroup] = []
         entries: list[SpoolEntry] = []
         start = time.monotonic()
-        deadline, waited, news, look_at = start + self.timeout_s, 0.0, None, 0.0
+        deadline, waited, news, look_at, last_pass = start + self.timeout_s, 0.0, None, 0.0, 0.0
         self._batch = set()
         if self.ahead is not None:
             self.ahead.hold()  # out of the claim's way
         while len(groups) < self.batch_size:
             if news is not False or time.monotonic() >= look_at:
-                look_at = time.monotonic() + self.relook_s
+                look_at = t_pass = time.monotonic()
+                look_at += self.relook_s
                 self._take(self._eligible(version)[: self.batch_size - len(groups)], groups, entries)
+                last_pass = time.monotonic() - t_pass
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
                     raise BatchTimeout(f"only {len(groups)} of {self.batch_size} groups arrived for version "
@@ -169,17 +172,20 @@ class BatchFeed:
         if self.ahead is not None:
             self.ahead.kick()  # the next batch's files are read while this one trains
         self.spool_s = time.monotonic() - start - waited
+        self.spool_tail_s = last_pass  # the pass that completed the batch: what the step waited for once it could
         return groups
 
     def step_report(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The last batch's timings (``spool``: its time on the spool and the ledger, waits left out; with the
-        read-ahead, ``read_ahead``: the worker's seconds since the last report, off the loop) and counts
+        """The last batch's timings (``spool``: its time on the spool and the ledger, waits left out; ``spool_tail``:
+        of it, the pass that completed the batch, the rest having happened while the batch waited for groups not
+        generated yet; with the read-ahead, ``read_ahead``: the worker's seconds since the last report, off the
+        loop) and counts
         (``spool/read_ahead_hits``, ``spool/read_ahead_misses``: files handed over / read at the claim)."""
         if self.ahead is None:
-            return {"spool": self.spool_s}, {}
+            return {"spool": self.spool_s, "spool_tail": self.spool_tail_s}, {}
         now = (self.ahead.busy_s, self.ahead.hits, self.ahead.misses)
         last, self._ahead_seen = self._ahead_seen, now
-        return ({"spool": self.spool_s, "read_ahead": now[0] - last[0]},
+        return ({"spool": self.spool_s, "spool_tail": self.spool_tail_s, "read_ahead": now[0] - last[0]},
                 {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2]})
 
     def close(self) -> None:
