@@ -263,3 +263,29 @@ def test_a_replica_holds_tickets_for_one_group_beyond_its_rows_and_its_engine_ta
         fn()
     assert pipe.ledger.created == 5 and [r.group.ticket for r in replica.rows] == [2, 2, 3, 3]
     assert [r.group.ticket for r in replica.waiting] == [4, 4]
+
+
+def test_decode_steps_played_in_chunks_cost_exactly_what_they_cost_one_by_one() -> None:
+    """Colocated (no polls, no weights mid-generation), chunks change nothing but the number of events."""
+    costs = dataclasses.replace(ZERO, decode_s=1e-3, decode_per_row_s=1e-4, decode_per_context_token_s=1e-6,
+                                prefill_s=1e-3, train_step_s=0.01)
+    work = Workload(mode="colocated", max_staleness=0, steps=4, batch_groups=3, group_size=4, max_batch_rows=8,
+                    queued_groups=1, response_tokens=(5, 37, 100), prompt_tokens=7)
+    one, chunked = simulate(work, costs), simulate(dataclasses.replace(work, tokens_per_event=64), costs)
+    assert chunked.wall_s == pytest.approx(one.wall_s, rel=1e-9) and chunked.tokens == one.tokens
+    assert chunked.phases == pytest.approx(one.phases, rel=1e-9)
+
+
+def test_gpu_costs_follow_the_roofline_of_the_published_figures() -> None:
+    from hpcrl.sim.gpu import H800, R1_DISTILL_QWEN_1_5B as m, gpu_costs, kv_rows
+
+    assert m.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, 2 bytes
+    c = gpu_costs(m, H800, 4, 10_000, train_flops_per_gpu=400e12, decode_bw_efficiency=0.5, decode_mfu=0.25,
+                  decode_step_overhead_s=1e-3)
+    assert c.decode_s == pytest.approx(1e-3 + 2 * 1.78e9 / (3.35e12 * 0.5))  # the weights, once a step
+    assert c.decode_per_context_token_s == pytest.approx(28672 / (3.35e12 * 0.5))
+    assert c.decode_per_row_s == pytest.approx(2 * 1.78e9 / (989.4e12 * 0.25))
+    assert c.train_per_token_s == pytest.approx((8 * 1.78e9 + 16 * 28 * 1536 * 5_000) / (4 * 400e12))
+    assert kv_rows(m, H800, 8_000) == int((0.85 * 80e9 - 2 * 1.78e9) / (28672 * 8_000))
+    with pytest.raises(ValueError, match="fractions"):
+        gpu_costs(m, H800, 4, 10_000, train_flops_per_gpu=400e12, decode_mfu=1.5)

@@ -2,7 +2,8 @@
 
 :mod:`hpcrl.sim.model` holds the cost model and the workload,
 :mod:`hpcrl.sim.pipeline` the discrete-event simulation, :mod:`hpcrl.sim.fit`
-the fit of a cost model to a measured run's time split. Light: no torch.
+the fit of a cost model to a measured run's time split, :mod:`hpcrl.sim.gpu`
+cost models of GPU clusters from published numbers. Light: no torch.
 """
 
 from hpcrl.sim.model import Costs, Result, Workload

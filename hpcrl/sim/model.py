@@ -84,6 +84,10 @@ class Workload:
     # groups a replica takes tickets for beyond its free rows, waiting to enter its engine (hpcrl's worker keeps
     # rollout.max_batch_size + group_size rows unfinished: 1); its engine admits waiting rows G or more at a time
     queued_groups: int = 0
+    # decode steps one event plays at most (a chunk ends early where a row ends): 1 is exact; long responses on
+    # large fleets need more (thousands of tokens per response), at the price of looking for weights and
+    # admitting only between chunks
+    tokens_per_event: int = 1
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
@@ -99,7 +103,8 @@ class Workload:
     restart_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_groups", "group_size", "replicas", "max_batch_rows", "prompt_tokens"):
+        for name in ("steps", "batch_groups", "group_size", "replicas", "max_batch_rows", "prompt_tokens",
+                     "tokens_per_event"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0 or self.queued_groups < 0:
@@ -114,7 +119,7 @@ class Workload:
         if self.kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update: recompute or keep, got {self.kv_on_update!r}")
         for name in ("steps", "batch_groups", "group_size", "max_staleness", "replicas", "max_batch_rows",
-                     "prompt_tokens", "seed", "queued_groups"):
+                     "prompt_tokens", "seed", "queued_groups", "tokens_per_event"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
         if self.mode == "colocated" and (self.max_staleness != 0 or self.replicas != 1):

@@ -272,13 +272,16 @@ class _Replica:
                 return  # wait for new weights or a reissued ticket (Pipeline.wake)
             self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
             return
-        context = sum(work.prompt_tokens + r.done for r in self.rows)
-        parts["decode"] += costs.decode(len(self.rows), context)
-        parts["spool_look"] += costs.colocated_pass_s if pipe.colocated else 0.0
+        context, n = sum(work.prompt_tokens + r.done for r in self.rows), len(self.rows)
+        # k decode steps in one event, up to the first row's end (the context grows by n tokens a step): exact for
+        # the linear cost model; only looks for weights and admissions wait for the event's end
+        k = min(work.tokens_per_event, min(r.length - r.done for r in self.rows))
+        parts["decode"] += k * costs.decode(n, context) + costs.decode_per_context_token_s * n * k * (k - 1) / 2
+        parts["spool_look"] += k * costs.colocated_pass_s if pipe.colocated else 0.0
         for r in self.rows:
-            r.done += 1
-            r.group.tokens += 1
-            r.group.versions[self.version] += 1
+            r.done += k
+            r.group.tokens += k
+            r.group.versions[self.version] += k
             if r.done == r.length:
                 r.group.rows_left -= 1
                 if r.group.rows_left == 0:
