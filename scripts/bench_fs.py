@@ -148,8 +148,7 @@ def started(go, seconds: float) -> float:
 
 def trainer_main(root: Path, args: dict, go, out: Path) -> None:
     """The trainer stand-in: BatchFeed batches, commit, version + 1, retention every ckpt_every steps."""
-    cfg = AdmissionConfig(batch_size=args["batch"], max_staleness=args["eta"])
-    ledger = AdmissionLedger(root / "admission", cfg, NUM_ROWS, seed=0)
+    ledger = AdmissionLedger(root / "admission", AdmissionConfig(args["batch"], args["eta"]), NUM_ROWS, seed=0)
     spool = Spool(root / "spool")
     share = args["drop_share"]
     keep = (lambda g: (g.ticket * 2654435761 % 1000) >= share * 1000) if share > 0 else None
@@ -191,6 +190,7 @@ def trainer_main(root: Path, args: dict, go, out: Path) -> None:
                       "dropped": sum(feed.dropped.values()), "time": time.time()})
         if args["ckpt_every"] and version % args["ckpt_every"] == 0:
             t = time.perf_counter()
+            feed.sync()  # as before a checkpoint: the moves since the last one made durable
             feed.retain(keep_dropped_files=100)
             retention.append({"step": version, "seconds": time.perf_counter() - t, "trained": len(feed.trained)})
     write_json(out, {"pid": os.getpid(), "steps": steps, "claim_latency_s": latency,
