@@ -50,3 +50,4 @@ def test_metadata_operations_per_group(tmp_path) -> None:
     assert w.get("listdir dropped/", 0) < 0.1, w  # the bound reads the drop count, it does not list the records
     t = r["per_group_trainer"]
     assert 1.0 <= t["rename"] <= 4.0, t  # claim, commit (and a drop now and then)
+    assert t.get("fsync", 0) <= 0.4, t  # reason files only: claims and commits are synced before checkpoints
