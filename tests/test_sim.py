@@ -289,3 +289,15 @@ def test_gpu_costs_follow_the_roofline_of_the_published_figures() -> None:
     assert kv_rows(m, H800, 8_000) == int((0.85 * 80e9 - 2 * 1.78e9) / (28672 * 8_000))
     with pytest.raises(ValueError, match="fractions"):
         gpu_costs(m, H800, 4, 10_000, train_flops_per_gpu=400e12, decode_mfu=1.5)
+
+
+def test_a_sample_whose_head_went_stale_is_generated_again_and_nothing_trains_beyond_the_bound() -> None:
+    """The worker restarts a sample that finishes with its first token more than eta versions behind its weights;
+    long samples beside short ones under a fast trainer do that."""
+    costs = dataclasses.replace(ZERO, decode_s=1e-3, train_step_s=1e-3)
+    work = Workload(steps=40, batch_groups=2, group_size=2, max_staleness=1, response_tokens=(2, 2, 2, 60),
+                    max_batch_rows=8, queued_groups=1)
+    pipe = Pipeline(work, costs)
+    r = pipe.run()
+    assert r.restarted_samples > 0 and max(r.staleness_hist) <= 1
+    assert_no_ticket_lost(pipe)

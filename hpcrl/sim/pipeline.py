@@ -18,7 +18,9 @@ measured:
   in-flight row's prompt and tokens again), admit what fits (one prefill call
   for the groups admitted together, each group's prompt once), decode one
   token on every active row. A finished group is scored
-  and handed to the spool at the end of the step. With nothing to decode and
+  and handed to the spool at the end of the step; a sample that finishes
+  with its first token more than ``eta`` versions behind the replica's
+  weights is generated again (as hpcrl's worker does). With nothing to decode and
   no ticket it waits for the next version or a reissued ticket, which it
   sees at its next look (every ``rollout_idle_poll_s`` from when it went
   idle; at once when 0).
@@ -68,6 +70,8 @@ class _Row:
     group: _Group
     length: int  # response tokens it will generate
     done: int = 0
+    head: int | None = None  # the version of its first token
+    versions: Counter = field(default_factory=Counter)  # weights version -> its tokens generated with it
 
 
 class _Ledger:
@@ -101,7 +105,7 @@ class Pipeline:
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
-        self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = 0
+        self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = self.restarted = 0
         self.staleness: Counter = Counter()
         self.phases: Counter = Counter()  # "trainer/update", "rollout/decode", ...: seconds of finished work
         self.trained_tickets: list[int] = []
@@ -134,6 +138,7 @@ class Pipeline:
         return Result(wall_s=self.now, samples=self.samples, tokens=self.tokens, trainer_busy_s=self.trainer_busy_s,
                       rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
                       staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures,
+                      restarted_samples=self.restarted,
                       phases=dict(sorted(self.phases.items())))
 
     def slowdown(self, other_busy: bool) -> float:
@@ -278,15 +283,24 @@ class _Replica:
         k = min(work.tokens_per_event, min(r.length - r.done for r in self.rows))
         parts["decode"] += k * costs.decode(n, context) + costs.decode_per_context_token_s * n * k * (k - 1) / 2
         parts["spool_look"] += k * costs.colocated_pass_s if pipe.colocated else 0.0
+        restarted = []
         for r in self.rows:
+            r.head = self.version if r.head is None else r.head
             r.done += k
-            r.group.tokens += k
-            r.group.versions[self.version] += k
-            if r.done == r.length:
-                r.group.rows_left -= 1
-                if r.group.rows_left == 0:
-                    finished.append(r.group)
+            r.versions[self.version] += k
+            if r.done < r.length:
+                continue
+            if r.head < self.version - work.max_staleness:  # its head went stale: the worker generates it again
+                restarted.append(_Row(r.group, pipe.rng.choice(work.response_tokens)))
+                continue
+            r.group.tokens += r.length
+            r.group.versions.update(r.versions)
+            r.group.rows_left -= 1
+            if r.group.rows_left == 0:
+                finished.append(r.group)
         self.rows = [r for r in self.rows if r.done < r.length]
+        self.waiting += restarted  # at the end of the engine's queue, as a new request
+        pipe.restarted += len(restarted)
         parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
         self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
