@@ -163,3 +163,20 @@ def test_the_feed_tells_the_pass_that_completed_the_batch_from_those_that_waited
     assert [g.ticket for g in feed.next_batch(0, wait)] == [0, 1]
     timings, _ = feed.step_report()
     assert 0 < timings["spool_tail"] < timings["spool"], timings  # two passes: the first one's claim is not the tail
+
+
+def test_the_first_batch_is_read_ahead_while_the_trainer_starts(tmp_path: Path) -> None:
+    """After resume the trainer starts the read-ahead, so the first batch is parsed during its start-up."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 2)
+    for g in groups:
+        spool.publish(g)
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5, read_ahead=True)
+    try:
+        feed.read_ahead()
+        wait_for(lambda: len(feed.ahead) == 2)
+        assert [g.ticket for g in feed.next_batch(0)] == [0, 1]
+        assert (feed.ahead.hits, feed.ahead.misses) == (2, 0)
+    finally:
+        feed.close()
+    BatchFeed(spool, ledger, batch_size=2, max_staleness=4, read_ahead=False).read_ahead()  # nothing to start

@@ -6,8 +6,9 @@ the step starts is time the accelerator waits. ``ReadAhead`` reads the files
 of the next batch during the current step instead, without taking them:
 
 * Lifecycle: the trainer's :class:`~hpcrl.trainer.feed.BatchFeed` (rank 0)
-  owns one, calls :meth:`kick` when a step starts training and :meth:`hold`
-  when the next one starts taking its batch. Between the two the worker
+  owns one, calls :meth:`kick` once the trainer has resumed (the first
+  batch is read during its start-up) and whenever a step starts training,
+  and :meth:`hold` when the next one starts taking its batch. Between the two the worker
   thread (a daemon, started on the first kick) lists ``ready/`` every
   ``relist_s`` and parses the files it has not parsed yet, in the order the
   trainer takes them (head version, then ticket), at most ``limit`` kept at

@@ -175,6 +175,12 @@ class BatchFeed:
         self.spool_tail_s = last_pass  # the pass that completed the batch: what the step waited for once it could
         return groups
 
+    def read_ahead(self) -> None:
+        """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
+        without the read-ahead. :meth:`next_batch` holds it as usual."""
+        if self.ahead is not None:
+            self.ahead.kick()
+
     def step_report(self) -> tuple[dict[str, float], dict[str, float]]:
         """The last batch's timings (``spool``: its time on the spool and the ledger, waits left out; ``spool_tail``:
         of it, the pass that completed the batch, the rest having happened while the batch waited for groups not
