@@ -180,3 +180,26 @@ def test_the_first_batch_is_read_ahead_while_the_trainer_starts(tmp_path: Path) 
     finally:
         feed.close()
     BatchFeed(spool, ledger, batch_size=2, max_staleness=4, read_ahead=False).read_ahead()  # nothing to start
+
+
+def test_an_unchanged_ready_directory_is_not_listed_again(tmp_path: Path, monkeypatch) -> None:
+    """Between arrivals the worker looks at ready/'s modification time only; a new file is listed and parsed. A
+    directory modified within the last second is listed anyway (coarse timestamps)."""
+    import hpcrl.spool.readahead as readahead
+
+    spool = Spool(tmp_path / "spool")
+    for t in range(2):
+        spool.publish(make_group(ticket=t, seed=t))
+    ahead = ReadAhead(spool.ready_dir, limit=8, relist_s=0.005)
+    try:
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 2)
+        passes = ahead.passes
+        wait_for(lambda: ahead.passes >= passes + 3)
+        assert ahead.skipped == 0, "modified under a second ago: listed every time"
+        monkeypatch.setattr(readahead, "_RACY_NS", 0)
+        wait_for(lambda: ahead.skipped >= 3)
+        spool.publish(make_group(ticket=2, seed=2))
+        wait_for(lambda: len(ahead) == 3)  # the new file changed the directory: listed and parsed
+    finally:
+        ahead.close()

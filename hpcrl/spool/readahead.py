@@ -27,7 +27,9 @@ of the next batch during the current step instead, without taking them:
   published (written to ``tmp/``, closed, renamed), so its identity stands
   for its content.
 
-Costs: a listing of ``ready/`` every ``relist_s`` while a step trains and
+Costs: a ``stat`` of ``ready/`` every ``relist_s`` while a step trains, a
+listing only when its modification time changed since a pass that parsed
+everything it listed (or is under a second old: timestamps can be coarse), and
 two ``stat`` per file read ahead, on the shared filesystem's metadata
 server, and one ``stat`` per claimed file in the step (the open and the
 read move from the step to the worker; on Lustre a stat also asks the
@@ -51,6 +53,10 @@ from typing import Callable, NamedTuple
 from hpcrl.spool.format import TrajectoryGroup, parse_name, read_group
 
 log = logging.getLogger(__name__)
+
+# a directory modified this recently may change again within its timestamp's resolution (1 s on some filesystems):
+# listed anyway, as git treats a "racily clean" index entry
+_RACY_NS = 1_000_000_000
 
 
 class _Identity(NamedTuple):
@@ -81,6 +87,8 @@ class ReadAhead:
         self.busy_s = 0.0  # the worker's time listing and parsing
         self.hits = self.misses = 0  # reads served from the worker's parse / read there and then
         self.passes = 0  # listings of ready/ the worker finished
+        self.skipped = 0  # looks at ready/ that found its modification time unchanged: no listing
+        self._listed_mtime: int | None = None  # ready/'s mtime at the last pass that left nothing to parse
 
     def __len__(self) -> int:
         """How many parsed groups wait for their file's read."""
@@ -149,6 +157,11 @@ class ReadAhead:
         if not self._active:
             return
         try:
+            mtime = os.stat(self.ready_dir).st_mtime_ns
+            if mtime == self._listed_mtime and time.time_ns() - mtime > _RACY_NS:
+                self.skipped += 1  # nothing entered or left ready/ since a pass that parsed all it listed
+                return
+            self._listed_mtime = None
             names = os.listdir(self.ready_dir)
         except FileNotFoundError:
             return
@@ -167,6 +180,10 @@ class ReadAhead:
                     del self._parsed[name]
             self._failed &= listed.keys()
             room = self.limit - len(self._parsed)
+        if len(todo) <= room:
+            complete = mtime  # every listed file gets its parse in this pass, unless it is interrupted
+        else:
+            complete = None
         for name in todo[:max(room, 0)]:
             if self._stop or not self._active:  # the trainer is taking its batch: out of its way
                 return
@@ -183,3 +200,4 @@ class ReadAhead:
             if before == after:  # else it changed hands while it was parsed: not kept
                 with self._lock:
                     self._parsed[name] = (before, group)
+        self._listed_mtime = complete
