@@ -196,10 +196,34 @@ def test_an_unchanged_ready_directory_is_not_listed_again(tmp_path: Path, monkey
         wait_for(lambda: len(ahead) == 2)
         passes = ahead.passes
         wait_for(lambda: ahead.passes >= passes + 3)
-        assert ahead.skipped == 0, "modified under a second ago: listed every time"
+        assert ahead.skipped == 0, "listed under two seconds after a change: listed every time"
         monkeypatch.setattr(readahead, "_RACY_NS", 0)
         wait_for(lambda: ahead.skipped >= 3)
         spool.publish(make_group(ticket=2, seed=2))
         wait_for(lambda: len(ahead) == 3)  # the new file changed the directory: listed and parsed
+    finally:
+        ahead.close()
+
+
+def test_a_file_that_arrives_within_the_directory_timestamp_s_tick_is_still_parsed(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """With a coarse timestamp a file can arrive without changing ready/'s mtime; a pass that listed ready/ within
+    the racy window of its mtime does not let later passes skip the listing (a review found that race)."""
+    import hpcrl.spool.readahead as readahead
+
+    spool = Spool(tmp_path / "spool")
+    spool.publish(make_group(ticket=0, seed=0))
+    stamp = os.stat(spool.ready_dir).st_mtime_ns
+    ahead = ReadAhead(spool.ready_dir, limit=8, relist_s=0.005)
+    try:
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 1)
+        ahead.hold()
+        time.sleep(0.05)  # the worker is idle
+        spool.publish(make_group(ticket=1, seed=1))
+        os.utime(spool.ready_dir, ns=(stamp, stamp))  # as a one-second timestamp would show it: unchanged
+        monkeypatch.setattr(readahead, "_RACY_NS", 0)  # from now on a listing is never racy: the first one was
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 2)
     finally:
         ahead.close()

@@ -29,7 +29,8 @@ of the next batch during the current step instead, without taking them:
 
 Costs: a ``stat`` of ``ready/`` every ``relist_s`` while a step trains, a
 listing only when its modification time changed since a pass that parsed
-everything it listed (or is under a second old: timestamps can be coarse), and
+everything it listed and began over two seconds after that modification
+(timestamps can be coarse), and
 two ``stat`` per file read ahead, on the shared filesystem's metadata
 server, and one ``stat`` per claimed file in the step (the open and the
 read move from the step to the worker; on Lustre a stat also asks the
@@ -54,9 +55,10 @@ from hpcrl.spool.format import TrajectoryGroup, parse_name, read_group
 
 log = logging.getLogger(__name__)
 
-# a directory modified this recently may change again within its timestamp's resolution (1 s on some filesystems):
-# listed anyway, as git treats a "racily clean" index entry
-_RACY_NS = 1_000_000_000
+# a listing that began less than this after the directory's modification time may have missed a file that arrived
+# within the same timestamp tick (1 s on some filesystems), plus a margin for a file server's clock: such a pass
+# never lets the next one skip the listing, as git treats a "racily clean" index entry
+_RACY_NS = 2_000_000_000
 
 
 class _Identity(NamedTuple):
@@ -158,10 +160,10 @@ class ReadAhead:
             return
         try:
             mtime = os.stat(self.ready_dir).st_mtime_ns
-            if mtime == self._listed_mtime and time.time_ns() - mtime > _RACY_NS:
+            if mtime == self._listed_mtime:
                 self.skipped += 1  # nothing entered or left ready/ since a pass that parsed all it listed
                 return
-            self._listed_mtime = None
+            self._listed_mtime, listed_at = None, time.time_ns()
             names = os.listdir(self.ready_dir)
         except FileNotFoundError:
             return
@@ -180,10 +182,9 @@ class ReadAhead:
                     del self._parsed[name]
             self._failed &= listed.keys()
             room = self.limit - len(self._parsed)
-        if len(todo) <= room:
-            complete = mtime  # every listed file gets its parse in this pass, unless it is interrupted
-        else:
-            complete = None
+        # the listing shows the directory as of ``mtime`` only if it began well after ``mtime``: with coarse
+        # timestamps a file arriving in the same tick leaves ``mtime`` unchanged (git's "racily clean" rule)
+        complete = mtime if len(todo) <= room and listed_at - mtime > _RACY_NS else None
         for name in todo[:max(room, 0)]:
             if self._stop or not self._active:  # the trainer is taking its batch: out of its way
                 return
@@ -197,7 +198,9 @@ class ReadAhead:
             except Exception:  # invalid: the trainer's read finds out and quarantines it with the reason
                 self._failed.add(name)
                 continue
-            if before == after:  # else it changed hands while it was parsed: not kept
-                with self._lock:
-                    self._parsed[name] = (before, group)
+            if before != after:  # it changed hands while it was parsed: not kept, and this pass is not complete
+                complete = None
+                continue
+            with self._lock:
+                self._parsed[name] = (before, group)
         self._listed_mtime = complete
