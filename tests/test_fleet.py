@@ -138,9 +138,9 @@ def test_autoscaler_adds_on_waiting_drains_on_surplus_and_holds_in_between(tmp_p
 def test_autoscaler_tick_writes_a_request_logs_every_assessment_and_cools_down(tmp_path) -> None:
     (tmp_path / "logs").mkdir()
     with open(tmp_path / "logs" / "metrics.jsonl", "w") as f:
-        for i in range(1, 21):  # 20 steps of 1 s, 0.7 s of each in the batch's wait, 0.1 s of it on the spool
-            f.write(json.dumps({"step": i, "time/wait_s": 0.7, "time/spool_s": 0.1, "time/step_s": 1.0,
-                                "time/elapsed_s": float(i)}) + "\n")
+        for i in range(1, 21):  # 20 steps of 1 s, 0.7 s of each in the batch's wait, 0.1 s in the last spool pass
+            f.write(json.dumps({"step": i, "time/wait_s": 0.7, "time/spool_s": 0.3, "time/spool_tail_s": 0.1,
+                                "time/step_s": 1.0, "time/elapsed_s": float(i)}) + "\n")
     a, clock = autoscaler(tmp_path)
     said = a.tick(lambda: True)
     assert said.startswith("1 -> 2: the trainer waited for data 60% of the last 11s (11 steps)"), said

@@ -4,7 +4,8 @@ Lifecycle: with ``launch.autoscale.enabled`` the supervisor builds one
 :class:`Autoscaler` and calls :meth:`Autoscaler.tick` from its loop. Every
 ``interval_s`` it reads the signals (:func:`read_signals`): the trainer's
 wait share (the part of its step time it spent waiting for a batch,
-``time/wait_s`` less its own time on the spool, ``time/spool_s``, over
+``time/wait_s`` less the spool pass that completed its batch,
+``time/spool_tail_s`` (its earlier passes happened while it waited for data), over
 ``time/step_s`` of ``logs/metrics.jsonl``, over the
 last ``window_s`` of training since the previous decision), and the ready
 groups in the spool against what the staleness bound lets be outstanding
@@ -90,7 +91,7 @@ def read_signals(run_dir: Path, cfg, since_elapsed_s: float) -> Signals:
         ready = sum(1 for n in (run_dir / "spool" / "ready").iterdir() if n.name.endswith(".h5"))
     except FileNotFoundError:
         ready = 0
-    waited = sum(max(0.0, r["time/wait_s"] - r.get("time/spool_s", 0.0)) for r in records)  # for data, not the spool
+    waited = sum(max(0.0, r["time/wait_s"] - r.get("time/spool_tail_s", 0.0)) for r in records)  # not the last pass
     return Signals(wait_share=waited / step_s if step_s > 0 else None,
                    steps=len(records), window_s=window, ready_groups=ready,
                    bound_groups=(cfg.admission.max_staleness + 1) * cfg.admission.batch_size)

@@ -331,6 +331,7 @@ class Spool:
         while dst.exists() or dst.with_name(dst.name + REASON_SUFFIX).exists():  # data pruned, reason kept
             k += 1
             (directory / f"again-{k}").mkdir(exist_ok=True)
+            self._unsynced.add(directory)  # the again-<k>/ folder's own entry
             dst = directory / f"again-{k}" / entry.name
         record = {"reason": reason, "time": time.time(), "from": entry.path.parent.name,
                   "ticket": entry.ticket, "writer": entry.writer}
