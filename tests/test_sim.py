@@ -280,6 +280,9 @@ def test_gpu_costs_follow_the_roofline_of_the_published_figures() -> None:
     from hpcrl.sim.gpu import H800, R1_DISTILL_QWEN_1_5B as m, gpu_costs, kv_rows
 
     assert m.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, 2 bytes
+    from hpcrl.sim.gpu import step_overhead_s
+
+    assert step_overhead_s(m) == pytest.approx(1 / 183.33 - 2 * 1.78e9 / 2.039e12)  # ~3.7 ms a step, batch 1
     c = gpu_costs(m, H800, 4, 10_000, train_flops_per_gpu=400e12, decode_bw_efficiency=0.5, decode_mfu=0.25,
                   decode_step_overhead_s=1e-3)
     assert c.decode_s == pytest.approx(1e-3 + 2 * 1.78e9 / (3.35e12 * 0.5))  # the weights, once a step
@@ -301,3 +304,25 @@ def test_a_sample_whose_head_went_stale_is_generated_again_and_nothing_trains_be
     r = pipe.run()
     assert r.restarted_samples > 0 and max(r.staleness_hist) <= 1
     assert_no_ticket_lost(pipe)
+
+
+def test_tickets_spread_evenly_over_replicas_only_when_asked() -> None:
+    """hpcrl's workers each take what their rows hold; a dispatcher (spread_tickets) gives each its even share."""
+    work = Workload(steps=2, batch_groups=8, group_size=2, max_staleness=0, replicas=4, max_batch_rows=64,
+                    response_tokens=(5,))
+    for spread, held in ((False, [16, 0, 0, 0]), (True, [4, 4, 4, 4])):
+        pipe = Pipeline(dataclasses.replace(work, spread_tickets=spread), dataclasses.replace(ZERO, decode_s=1e-3))
+        for r in pipe.replicas:
+            r.start()
+        assert [len(r.rows) + len(r.waiting) for r in pipe.replicas] == held
+    from hpcrl.sim.pipeline import next_tick
+
+    assert next_tick(0.0, 5e-10, 1.0) >= 5e-10  # never before now
+
+
+def test_the_fit_leaves_alone_a_phase_it_has_nothing_to_scale_in() -> None:
+    from hpcrl.sim import fit_phases
+
+    work = Workload(mode="colocated", max_staleness=0, steps=5, response_tokens=(6, 12))
+    _, factors = fit_phases(work, Costs(), {"rollout/decode": 1.0, "rollout/rebuild_prefill": 1.0}, seeds=(0,))
+    assert set(factors) == {"rollout/decode"}  # the rebuild's own costs are unset: priced as an admission's

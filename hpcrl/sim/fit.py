@@ -29,6 +29,7 @@ PHASE_FIELDS: dict[str, tuple[str, ...]] = {
     "rollout/rebuild_prefill": ("rebuild_prefill_s", "rebuild_prefill_per_token_s"),
     "rollout/reward": ("reward_per_sample_s",),
     "rollout/ledger": ("admit_s",),
+    "rollout/spool_write": ("spool_write_per_group_s",),
     "rollout/spool_look": ("colocated_pass_s",),
     "rollout/weights": ("weights_load_s",),
     "trainer/update": ("train_step_s", "train_per_token_s"),
@@ -51,12 +52,13 @@ def fit_phases(work: Workload, costs: Costs, measured: dict[str, float], rounds:
     unknown = sorted(set(measured) - set(PHASE_FIELDS))
     if unknown:
         raise ValueError(f"phases the fit does not know: {unknown}; known: {sorted(PHASE_FIELDS)}")
-    factors = {phase: 1.0 for phase in measured}
+    factors = {phase: 1.0 for phase in measured  # a phase whose cost fields are all unset has nothing to scale
+               if any(getattr(costs, f) is not None for f in PHASE_FIELDS[phase])}
     for _ in range(rounds):
         fitted = scaled(costs, factors)
         sims = [simulate(dataclasses.replace(work, seed=s), fitted).phases for s in seeds]
-        for phase, want in measured.items():
-            got = sum(p.get(phase, 0.0) for p in sims) / len(sims)
+        for phase in factors:
+            want, got = measured[phase], sum(p.get(phase, 0.0) for p in sims) / len(sims)
             if got > 0 and want > 0:
                 factors[phase] *= want / got
     return scaled(costs, factors), factors

@@ -9,7 +9,8 @@ efficiency of each side taken from a published measurement:
   weights once and every row's KV cache, and computes ``2 P`` FLOPs per
   row: ``(2 P + C * kv_bytes) / (bandwidth * bw_efficiency) + n * 2 P /
   (flops * mfu)`` plus a fixed per-step overhead (kernel launches,
-  scheduling);
+  scheduling), taken from a published batch-1 decode speed
+  (:func:`step_overhead_s`);
 * a prefill computes ``2 P`` FLOPs per token;
 * a training step computes, per trained token, a forward for the proximal
   log-probabilities and a forward + backward for the update (``8 P``) plus
@@ -52,6 +53,9 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     source: str
+    # one sequence decoding alone: tokens/s on an A100 80GB with vLLM 0.6.3, BF16, input of 1 token, 2,048 new
+    # (Qwen2.5 speed benchmark, QwenLM/Qwen2.5 docs/source/benchmark/speed_benchmark.rst; the Qwen2.5 base of each)
+    batch1_tokens_per_s: float = 0.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,14 +65,24 @@ class ModelShape:
 
 # the models of AReaL's Table 1 (config.json of each on the Hugging Face hub; Qwen2 architecture)
 R1_DISTILL_QWEN_1_5B = ModelShape("DeepSeek-R1-Distill-Qwen-1.5B", 1.78e9, 28, 1536, 2, 128,
-                                  "huggingface.co/deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B config.json")
+                                  "huggingface.co/deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B config.json", 183.33)
 R1_DISTILL_QWEN_7B = ModelShape("DeepSeek-R1-Distill-Qwen-7B", 7.62e9, 28, 3584, 4, 128,
-                                "huggingface.co/deepseek-ai/DeepSeek-R1-Distill-Qwen-7B config.json")
+                                "huggingface.co/deepseek-ai/DeepSeek-R1-Distill-Qwen-7B config.json", 84.28)
+A100_BANDWIDTH = 2.039e12  # A100 80GB SXM HBM2e bytes/s (NVIDIA A100 datasheet)
+
+
+def step_overhead_s(model: ModelShape) -> float:
+    """A decode step's fixed cost (launches, scheduling, sampling): a batch-1 step's published time less reading
+    the weights once at the A100's full bandwidth (an upper bound on the step's memory time, so a lower bound on
+    the overhead)."""
+    if model.batch1_tokens_per_s <= 0:
+        raise ValueError(f"{model.name}: no published batch-1 decode speed to take the step overhead from")
+    return max(0.0, 1.0 / model.batch1_tokens_per_s - 2 * model.params / A100_BANDWIDTH)
 
 
 def gpu_costs(model: ModelShape, hw: Hardware, train_gpus: int, mean_sequence: float, *,
               train_flops_per_gpu: float, decode_bw_efficiency: float = 0.6, decode_mfu: float = 0.3,
-              decode_step_overhead_s: float = 2e-3, weights_broadcast_s: float = 0.5,
+              decode_step_overhead_s: float | None = None, weights_broadcast_s: float = 0.5,
               train_step_overhead_s: float = 1.0) -> Costs:
     """Costs of one replica (one GPU) and of a trainer on ``train_gpus`` GPUs, for sequences of ``mean_sequence``
     tokens on average (prompt + response: the attention term of training). ``train_flops_per_gpu``: achieved
@@ -78,6 +92,8 @@ def gpu_costs(model: ModelShape, hw: Hardware, train_gpus: int, mean_sequence: f
     if not 0 < decode_bw_efficiency <= 1 or not 0 < decode_mfu <= 1:
         raise ValueError("decode_bw_efficiency and decode_mfu are fractions of the peak: in (0, 1]")
     bw, p = hw.bandwidth * decode_bw_efficiency, model.params
+    if decode_step_overhead_s is None:
+        decode_step_overhead_s = step_overhead_s(model)
     attention = 16 * model.layers * model.hidden * (mean_sequence / 2)  # causal: half the sequence on average
     return Costs(
         decode_s=decode_step_overhead_s + 2 * p / bw,  # the weights, read once a step

@@ -88,6 +88,10 @@ class Workload:
     # large fleets need more (thousands of tokens per response), at the price of looking for weights and
     # admitting only between chunks
     tokens_per_event: int = 1
+    # a replica takes at most its even share of what the bound lets be outstanding, ceil((eta + 1) B / replicas)
+    # groups, as a dispatcher that spreads requests over servers does; False: as many as its rows hold (hpcrl's
+    # workers each ask the ledger for themselves)
+    spread_tickets: bool = False
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)

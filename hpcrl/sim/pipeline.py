@@ -257,13 +257,14 @@ class _Replica:
         elif poll:
             self.next_poll = pipe.now + costs.weights_poll_s
         admitted, cap = 0, work.max_batch_rows + work.queued_groups * work.group_size
-        while cap - len(self.rows) - len(self.waiting) >= work.group_size:
+        share = self._share()
+        while cap - len(self.rows) - len(self.waiting) >= work.group_size and share > 0:
             ticket = pipe.ledger.try_admit(self.version)
             if ticket is None:
                 break
             group = _Group(ticket, work.group_size)
             self.waiting += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
-            admitted += 1
+            admitted, share = admitted + 1, share - 1
         parts["ledger"] += admitted * costs.admit_s
         free = work.max_batch_rows - len(self.rows)
         if self.waiting and free >= min(work.group_size, len(self.waiting)):  # the engine admits G rows or more
@@ -305,6 +306,15 @@ class _Replica:
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
         self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
 
+    def _share(self) -> float:
+        """Groups this replica may still take: unlimited, or with ``Workload.spread_tickets`` its even share of what
+        the bound lets be outstanding, ceil((eta + 1) B / replicas), less the groups it holds."""
+        work = self.work
+        if not work.spread_tickets:
+            return math.inf
+        held = len({id(r.group) for r in self.rows + self.waiting})
+        return math.ceil((work.max_staleness + 1) * work.batch_groups / work.replicas) - held
+
     def _busy_for(self, slow: float, finished: list[_Group]) -> None:
         """Run this step's parts (times ``slow``, the shared-core slowdown); ``finished`` is handed over at its end."""
         self._parts = Counter({k: v * slow for k, v in self._parts.items()})
@@ -345,7 +355,7 @@ class _Replica:
         lost = {id(g): g for g in [r.group for r in self.rows + self.waiting]
                 + (self._finishing if self.busy else [])}
         self.stop()  # the step it was running counts up to the failure
-        self.up, self.busy = False, False
+        self.up, self.busy, self._look_due = False, False, False  # a look scheduled before is of the old life
         self.pipe.failures += 1
         self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
         self.rows, self.waiting, self._finishing = [], [], []
@@ -364,7 +374,7 @@ def next_tick(since: float, now: float, every: float) -> float:
     """The first of the looks ``since``, ``since + every``, ... at or after ``now`` (``now`` when ``every`` is 0)."""
     if every <= 0 or now <= since:
         return now
-    return since + math.ceil((now - since) / every - 1e-9) * every
+    return max(now, since + math.ceil((now - since) / every - 1e-9) * every)
 
 
 def simulate(work: Workload, costs: Costs) -> Result:
