@@ -122,6 +122,22 @@ def test_a_restarted_writer_resumes_its_tracker_runs_without_logging_a_step_twic
     assert len((logs / "metrics.jsonl").read_text().splitlines()) == 12  # the JSONL keeps every record
 
 
+def test_a_leg_killed_between_the_store_and_the_mark_does_not_log_that_step_twice(tmp_path) -> None:
+    """MLflow took step 5 and the process died before the writer's mark did (the mark says 4): the next leg asks
+    the store what it holds and does not hand step 5 over again (a restarted run's CI check caught that)."""
+    logs = tmp_path / "run" / "logs"
+    mlflow_only = MetricsConfig(trackers=["mlflow"])
+    first = MetricsWriter(logs, trackers=mlflow_only)
+    for step in range(6):
+        first.write({"step": step, "reward/mean": step / 10, **({"eval/accuracy": 0.5} if step == 5 else {})})
+    first.close()
+    (logs / "trackers" / "trainer-mlflow.step").write_text(json.dumps({"step": 4, "eval": 0}))  # the mark lagged
+    second = MetricsWriter(logs, trackers=mlflow_only)
+    second.write({"step": 6, "reward/mean": 0.6})
+    second.close()
+    assert [s for s, _ in mlflow_history(logs, "trainer")] == list(range(7))
+
+
 def test_the_config_names_trackers_it_can_open(tmp_path) -> None:
     assert load_config(QUICKSTART, ["metrics.trackers=[tensorboard,wandb,mlflow]"]).metrics.trackers[1] == "wandb"
     with pytest.raises(ConfigError, match=r"trackers: must be one of \['mlflow', 'tensorboard', 'wandb'\]"):

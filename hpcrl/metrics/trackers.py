@@ -147,6 +147,14 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
 
+    def held(self) -> tuple[int, int]:
+        """The last step this run holds and its last evaluation's step (-1: none): a leg killed after the store
+        took a step but before the writer's mark did must not hand that step over again."""
+        metrics = self._client.get_run(self._run_id).data.metrics
+        steps = {key: max((m.step for m in self._client.get_metric_history(self._run_id, key)), default=-1)
+                 for key in metrics}
+        return max(steps.values(), default=-1), steps.get("eval/accuracy", -1)
+
     def close(self) -> None:
         self._client.set_terminated(self._run_id)
 

@@ -40,7 +40,8 @@ class MetricsWriter:
     is kept in ``logs/trackers/<component>-<tracker>.step`` (after every record for a tracker whose log is on
     disk when it returns, at a clean close for one that buffers, W&B), with the last evaluation's step; a new
     leg first hands each tracker the records of the JSONL file after its mark (what a killed leg logged but
-    the tracker lost), then goes on. A record of a step at or below the mark (recomputed from an older
+    the tracker lost), then goes on; a tracker that can say what it holds (``held()``: MLflow) moves its mark
+    up to that, so a leg killed between a store's write and the mark's does not hand that step over twice. A record of a step at or below the mark (recomputed from an older
     checkpoint) goes to the JSONL file only, unless it is an evaluation (``eval/accuracy``) of a step after
     the last evaluation handed over (a version evaluated late). A tracker that fails is left out for the rest
     of the leg with a warning (the JSONL file has every record; the next leg hands it what it missed)."""
@@ -63,6 +64,11 @@ class MetricsWriter:
             self._tracked[name] = self._read_mark(name, earlier)
             try:
                 self._trackers[name] = open_tracker(name, cfg, ctx)
+                held = getattr(self._trackers[name], "held", None)  # what a store says it holds, past the mark
+                if held is not None:
+                    step, evaluation = held()
+                    mark = self._tracked[name]
+                    mark["step"], mark["eval"] = max(mark["step"], step), max(mark["eval"], evaluation)
             except Exception as e:  # noqa: BLE001 - an unreachable tracker server must not stop training
                 log.warning("metrics tracker %s could not be opened (%s: %s): this leg writes %s only; the next "
                             "leg hands it what it missed", name, type(e).__name__, e, filename)
