@@ -23,6 +23,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import bench_quality
 from _bench import ROOT, pyplot
 
 
@@ -56,10 +57,9 @@ def paired(by_row: dict[str, dict[int, float]]) -> dict[str, list[float]]:
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+    """Mean and standard error over seeds (0 for one seed: drawn hollow, without an error bar)."""
+    m, se = bench_quality.mean_se(xs)
+    return m, se or 0.0
 
 
 def curve(evals: list[dict], grid: list[float]) -> list[float]:

@@ -225,5 +225,10 @@ def test_a_file_that_arrives_within_the_directory_timestamp_s_tick_is_still_pars
         monkeypatch.setattr(readahead, "_RACY_NS", 0)  # from now on a listing is never racy: the first one was
         ahead.kick()
         wait_for(lambda: len(ahead) == 2)
+        ahead.hold()
+        late = [e for e in spool.ready() if e.ticket == 1]
+        [claimed] = spool.claim(late)
+        assert_same_group(spool.load(claimed, ahead.read), make_group(ticket=1, seed=1))
+        assert (ahead.hits, ahead.misses) == (1, 0), "the late file was parsed by the worker, not at the claim"
     finally:
         ahead.close()
