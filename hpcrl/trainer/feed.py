@@ -175,7 +175,7 @@ class BatchFeed:
         self.spool_tail_s = last_pass  # the pass that completed the batch: what the step waited for once it could
         return groups
 
-    def read_ahead(self) -> None:
+    def start_reading(self) -> None:
         """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
         without the read-ahead. :meth:`next_batch` holds it as usual."""
         if self.ahead is not None:
