@@ -232,3 +232,29 @@ def test_a_file_that_arrives_within_the_directory_timestamp_s_tick_is_still_pars
         assert (ahead.hits, ahead.misses) == (1, 0), "the late file was parsed by the worker, not at the claim"
     finally:
         ahead.close()
+
+
+def test_while_the_batch_waits_the_feed_claims_what_the_worker_has_parsed_and_reads_only_the_last(
+        tmp_path: Path) -> None:
+    """Groups arriving while the batch waits are parsed by the worker and claimed once parsed (not left in ready/
+    until the batch is complete: a group dropped at its claim frees its admission slot then); the loop reads only
+    what completes the batch."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 3)
+    feed = BatchFeed(spool, ledger, batch_size=3, max_staleness=4, timeout_s=10, read_ahead=True)
+    arrivals = list(groups)
+
+    def wait() -> bool:  # the next group is generated only once the last one was claimed
+        if arrivals and not spool.ready():
+            spool.publish(arrivals.pop(0))
+            return True
+        time.sleep(0.002)
+        return False
+
+    try:
+        feed.relook_s = 0.005
+        assert [g.ticket for g in feed.next_batch(0, wait)] == [0, 1, 2]
+        assert feed.ahead.hits >= 2 and feed.ahead.hits + feed.ahead.misses == 3, (feed.ahead.hits,
+                                                                                  feed.ahead.misses)
+    finally:
+        feed.close()

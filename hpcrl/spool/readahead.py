@@ -7,8 +7,10 @@ of the next batch during the current step instead, without taking them:
 
 * Lifecycle: the trainer's :class:`~hpcrl.trainer.feed.BatchFeed` (rank 0)
   owns one, calls :meth:`kick` once the trainer has resumed (the first
-  batch is read during its start-up) and whenever a step starts training,
-  and :meth:`hold` when the next one starts taking its batch. Between the two the worker
+  batch is read during its start-up), whenever a step starts training and
+  while its batch waits for groups, and :meth:`hold` when a pass is about
+  to claim the files that complete the batch (it asks :meth:`has` before
+  it claims a file while the batch cannot complete yet). Between the two the worker
   thread (a daemon, started on the first kick) lists ``ready/`` every
   ``relist_s`` and parses the files it has not parsed yet, in the order the
   trainer takes them (head version, then ticket), at most ``limit`` kept at
@@ -39,7 +41,9 @@ worker holds the GIL while it parses (h5py does not release it), so on a
 CPU-only trainer it competes with the training loop's Python; on an
 accelerator the loop mostly waits on the device and the reads overlap.
 ``busy_s``, ``hits`` and ``misses`` say what it did (the trainer reports
-them per step).
+them per step). While the trainer waits for groups it has the cores to
+itself on a CPU-only trainer too, so what it parses then costs the loop
+nothing.
 """
 
 from __future__ import annotations
@@ -100,8 +104,9 @@ class ReadAhead:
     def kick(self) -> None:
         """A step starts training: read ahead (in the background; returns at once) until :meth:`hold`."""
         with self._cond:
-            self._active = True
-            self._cond.notify()
+            if not self._active:
+                self._active = True
+                self._cond.notify()  # active, it looks again every relist_s by itself
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="spool-read-ahead", daemon=True)
             self._thread.start()
@@ -110,6 +115,12 @@ class ReadAhead:
         """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
         with self._cond:
             self._active = False
+
+    def has(self, name: str) -> bool:
+        """Whether the file ``name`` has been through the worker: parsed (its read is a hand-over if the file is
+        the same) or found unparsable (the read finds the fault again)."""
+        with self._lock:
+            return name in self._parsed or name in self._failed
 
     def read(self, path: Path) -> TrajectoryGroup:
         """The group in ``path``: the worker's parse if it is the same file, else read now."""

@@ -36,8 +36,14 @@ Claiming is not overlapped with training on purpose: claiming the next
 batch during step ``v`` would select it against ``v`` instead of the version
 that trains it (``v + 1``: a file can turn stale in between). Reading is:
 with ``trainer.read_ahead`` (default on) a :class:`~hpcrl.spool.readahead.ReadAhead`
-parses the ready files during the step, deciding nothing, and the claim
-takes its parse when the claimed file is the one it read. ``spool_s`` is the
+parses the ready files during the step and while the batch waits for
+groups, deciding nothing, and the claim takes its parse when the claimed
+file is the one it read. While fewer eligible files are there than the
+batch needs, a pass claims only the oldest ones the read-ahead has parsed
+(they still leave ``ready/`` as they arrive, so a group dropped at its
+claim frees its admission slot at once); the pass that can complete the
+batch holds the read-ahead and claims all it needs, reading what was not
+parsed yet. ``spool_s`` is the
 time the last :meth:`BatchFeed.next_batch` spent on the spool and the ledger
 (claims, reads, checks; its waits for rollouts left out); :meth:`BatchFeed.step_report`
 adds what the read-ahead did meanwhile.
@@ -153,13 +159,13 @@ class BatchFeed:
         start = time.monotonic()
         deadline, waited, news, look_at, last_pass = start + self.timeout_s, 0.0, None, 0.0, 0.0
         self._batch = set()
-        if self.ahead is not None:
-            self.ahead.hold()  # out of the claim's way
         while len(groups) < self.batch_size:
             if news is not False or time.monotonic() >= look_at:
                 look_at = t_pass = time.monotonic()
                 look_at += self.relook_s
-                self._take(self._eligible(version)[: self.batch_size - len(groups)], groups, entries)
+                self._take(self._to_take(self._eligible(version), self.batch_size - len(groups)), groups, entries)
+                if self.ahead is not None and len(groups) < self.batch_size:
+                    self.ahead.kick()  # still waiting (rejected groups, or too few yet): it reads on meanwhile
                 last_pass = time.monotonic() - t_pass
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
@@ -174,6 +180,21 @@ class BatchFeed:
         self.spool_s = time.monotonic() - start - waited
         self.spool_tail_s = last_pass  # the pass that completed the batch: what the step waited for once it could
         return groups
+
+    def _to_take(self, eligible: list[SpoolEntry], need: int) -> list[SpoolEntry]:
+        """What this pass claims of ``eligible`` (oldest first). With ``need`` files there the batch can be completed:
+        they are claimed now, the read-ahead held out of the way and what it has not parsed read here. With fewer,
+        only the oldest it has parsed already: the rest are left to it while the batch waits (it keeps reading
+        during the wait), so the loop reads only what completes the batch, and a group dropped or quarantined at
+        its claim still frees its admission slot as soon as it is parsed."""
+        if self.ahead is None or len(eligible) >= need:
+            if self.ahead is not None and eligible:
+                self.ahead.hold()
+            return eligible[:need]
+        n = 0
+        while n < len(eligible) and self.ahead.has(eligible[n].name):
+            n += 1
+        return eligible[:n]
 
     def start_reading(self) -> None:
         """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
