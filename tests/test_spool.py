@@ -183,6 +183,22 @@ def test_publish_lists_sorted_and_ignores_junk(tmp_path: Path) -> None:
     assert os.listdir(sp.tmp_dir) == [] and len(sp.ready()) == 3
 
 
+def test_listing_ready_again_reuses_known_entries_and_follows_arrivals_and_departures(tmp_path: Path) -> None:
+    """The trainer lists ready/ on every look: an entry is built from a name once, and the listing stays exact."""
+    sp = Spool(tmp_path / "spool")
+    for t in (3, 1):
+        sp.publish(make_group(ticket=t))
+    first = sp.ready()
+    sp.claim([first[0]])  # ticket 1 leaves ready/
+    sp.publish(make_group(ticket=2))
+    (sp.ready_dir / "junk.h5").write_bytes(b"x")
+    again = sp.ready()
+    assert [e.ticket for e in again] == [2, 3]
+    assert again[1] is first[1], "ticket 3's entry is the one built before"
+    assert again[0].path == sp.ready_dir / again[0].name and again[0].ticket == 2
+    assert [e.ticket for e in Spool(tmp_path / "spool").ready()] == [2, 3], "another Spool's first listing"
+
+
 def test_publish_writes_the_encoded_file_and_it_is_durable_before_the_rename(tmp_path: Path, monkeypatch) -> None:
     """The bytes in ready/ are encode_group's, and the file was fsynced (by fd) before it got its final name."""
     sp = Spool(tmp_path)

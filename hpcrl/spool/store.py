@@ -78,7 +78,7 @@ _STEP_RE = re.compile(r"^step_(\d{6,})$")
 REASON_SUFFIX = ".reason.json"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpoolEntry:
     """A spool file known by its name (no file opened to build it)."""
 
@@ -119,6 +119,7 @@ class Spool:
             d.mkdir(parents=True, exist_ok=True)
         self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
         self._unsynced: set[Path] = set()  # directories with claims or commits not yet made durable (sync)
+        self._ready_known: dict[str, SpoolEntry] = {}  # the last listing of ready/, by name (ready)
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
@@ -183,23 +184,33 @@ class Spool:
 
     # -- listing ------------------------------------------------------------
     @staticmethod
-    def _list(directory: Path) -> list[SpoolEntry]:
-        entries = []
+    def _list(directory: Path, known: dict[str, SpoolEntry] | None = None) -> list[SpoolEntry]:
+        """The spool files in ``directory``, sorted by (min_version, ticket, writer). ``known``: the entries of the
+        last listing of the same directory by name, reused (an entry follows from its name alone), and replaced by
+        this listing's."""
         try:
             names = os.listdir(directory)
         except FileNotFoundError:
             return []
+        seen, listed = known or {}, {}
         for name in names:
-            info = parse_name(name)
-            if info is not None:
-                entries.append(SpoolEntry(directory / name, info.ticket, info.min_version,
-                                          info.max_version, info.writer))
-        entries.sort(key=lambda e: (e.min_version, e.ticket, e.writer))
-        return entries
+            entry = seen.get(name)
+            if entry is None:
+                info = parse_name(name)
+                if info is None:
+                    continue
+                entry = SpoolEntry(directory / name, info.ticket, info.min_version, info.max_version, info.writer)
+            listed[name] = entry
+        if known is not None:
+            known.clear()
+            known.update(listed)
+        return sorted(listed.values(), key=lambda e: (e.min_version, e.ticket, e.writer))
 
     def ready(self) -> list[SpoolEntry]:
-        """Published files, from names only, sorted by (min_version, ticket)."""
-        return self._list(self.ready_dir)
+        """Published files, from names only, sorted by (min_version, ticket). The trainer lists ready/ on every
+        look while it waits: entries of names listed before are reused, so a look costs the listing and what
+        arrived."""
+        return self._list(self.ready_dir, self._ready_known)
 
     def claimed(self) -> list[SpoolEntry]:
         """Files the trainer has claimed and not yet committed or released."""
