@@ -258,3 +258,52 @@ def test_while_the_batch_waits_the_feed_claims_what_the_worker_has_parsed_and_re
                                                                                   feed.ahead.misses)
     finally:
         feed.close()
+
+
+def test_a_corrupt_file_arriving_while_the_batch_waits_is_quarantined_then_not_at_the_end(tmp_path: Path) -> None:
+    """The worker cannot parse it, which counts as seen: the feed claims and quarantines it (its ticket dropped,
+    its admission slot free) while the batch still waits."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 3)
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=10, read_ahead=True)
+    feed.relook_s = 0.005
+    bad = spool.publish(groups[0])
+    bad.write_bytes(b"not HDF5 at all")
+    arrivals = list(groups[1:])
+    seen_quarantined: list[bool] = []
+
+    def wait() -> bool:  # the good groups come only once the corrupt one is out of ready/
+        if arrivals and not spool.ready():
+            seen_quarantined.append(bool(spool.quarantined()))
+            spool.publish(arrivals.pop(0))
+            return True
+        time.sleep(0.002)
+        return False
+
+    try:
+        assert [g.ticket for g in feed.next_batch(0, wait)] == [1, 2]
+        assert seen_quarantined[0] and ledger.dropped() == {0: "quarantined"}
+    finally:
+        feed.close()
+
+
+def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Path, monkeypatch) -> None:
+    import hpcrl.spool.readahead as readahead
+
+    monkeypatch.setattr(readahead, "_RACY_NS", 0)
+    spool = Spool(tmp_path / "spool")
+    spool.publish(make_group(ticket=0, seed=0))
+    stamp = os.stat(spool.ready_dir).st_mtime_ns
+    ahead = ReadAhead(spool.ready_dir, limit=8, relist_s=0.005)
+    try:
+        ahead.kick()
+        wait_for(lambda: ahead.skipped >= 2)  # everything parsed: only the mtime is looked at
+        spool.publish(make_group(ticket=1, seed=1))
+        os.utime(spool.ready_dir, ns=(stamp, stamp))  # a one-second timestamp would show no change
+        skipped = ahead.skipped
+        wait_for(lambda: ahead.skipped >= skipped + 3)
+        assert len(ahead) == 1, "unseen: the directory's timestamp did not move"
+        ahead.relist()
+        wait_for(lambda: len(ahead) == 2)
+    finally:
+        ahead.close()

@@ -29,10 +29,13 @@ of the next batch during the current step instead, without taking them:
   published (written to ``tmp/``, closed, renamed), so its identity stands
   for its content.
 
-Costs: a ``stat`` of ``ready/`` every ``relist_s`` while a step trains, a
+Costs: a ``stat`` of ``ready/`` every ``relist_s`` while a step trains or
+the batch waits, a
 listing only when its modification time changed since a pass that parsed
 everything it listed and began over two seconds after that modification
-(timestamps can be coarse), and
+(timestamps can be coarse; :meth:`relist` forces one: the feed asks for it
+while it waits on a file the worker has not parsed, so a file that arrived
+unseen by the timestamp is found within ``relist_s``), and
 two ``stat`` per file read ahead, on the shared filesystem's metadata
 server, and one ``stat`` per claimed file in the step (the open and the
 read move from the step to the worker; on Lustre a stat also asks the
@@ -41,9 +44,10 @@ worker holds the GIL while it parses (h5py does not release it), so on a
 CPU-only trainer it competes with the training loop's Python; on an
 accelerator the loop mostly waits on the device and the reads overlap.
 ``busy_s``, ``hits`` and ``misses`` say what it did (the trainer reports
-them per step). While the trainer waits for groups it has the cores to
-itself on a CPU-only trainer too, so what it parses then costs the loop
-nothing.
+them per step). While a disaggregated trainer waits for groups its loop
+does nothing else, so what the worker parses then costs the loop nothing;
+in colocated mode the wait is generation in the same process, which the
+parsing competes with for the GIL.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ class ReadAhead:
             return len(self._parsed)
 
     def kick(self) -> None:
-        """A step starts training: read ahead (in the background; returns at once) until :meth:`hold`."""
+        """A step starts training, or the batch waits: read ahead (in the background; returns at once) until
+        :meth:`hold`."""
         with self._cond:
             if not self._active:
                 self._active = True
@@ -115,6 +120,11 @@ class ReadAhead:
         """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
         with self._cond:
             self._active = False
+
+    def relist(self) -> None:
+        """List ``ready/`` at the next look even if its modification time did not change (a file the feed waits
+        for may have arrived within the timestamp's tick)."""
+        self._listed_mtime = None
 
     def has(self, name: str) -> bool:
         """Whether the file ``name`` has been through the worker: parsed (its read is a hand-over if the file is

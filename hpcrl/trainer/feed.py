@@ -40,8 +40,8 @@ parses the ready files during the step and while the batch waits for
 groups, deciding nothing, and the claim takes its parse when the claimed
 file is the one it read. While fewer eligible files are there than the
 batch needs, a pass claims only the oldest ones the read-ahead has parsed
-(they still leave ``ready/`` as they arrive, so a group dropped at its
-claim frees its admission slot at once); the pass that can complete the
+(they still leave ``ready/`` once parsed, so a group dropped at its
+claim frees its admission slot within a look or two); the pass that can complete the
 batch holds the read-ahead and claims all it needs, reading what was not
 parsed yet. ``spool_s`` is the
 time the last :meth:`BatchFeed.next_batch` spent on the spool and the ledger
@@ -194,11 +194,13 @@ class BatchFeed:
         n = 0
         while n < len(eligible) and self.ahead.has(eligible[n].name):
             n += 1
+        if n < len(eligible):
+            self.ahead.relist()  # not parsed yet, or unseen if it arrived within ready/'s timestamp tick
         return eligible[:n]
 
     def start_reading(self) -> None:
         """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
-        without the read-ahead. :meth:`next_batch` holds it as usual."""
+        without the read-ahead. :meth:`next_batch` holds it in the pass that completes the batch."""
         if self.ahead is not None:
             self.ahead.kick()
 
