@@ -56,19 +56,24 @@ def lengths(median: float, sigma: float = 0.8, n: int = 2000, seed: int = 0) -> 
 
 
 def play(size: str, gpus: int, eta: int, median: float, steps: int, scaled: bool | None = None,
-         spread: bool = True, **assume) -> dict:
-    """One run of ``gpus`` GPUs (a multiple of 8): eta = 0 alternates on all of them, eta > 0 splits them 3:1
-    between generation and training. Asynchronous runs are simulated scaled down by a common factor of replicas,
-    trainer and batch; synchronous ones are not (a step waits for the slowest of all replicas, and the slowest of
-    128 is slower than the slowest of 4: scaled down, 1.5B on 128 GPUs came out 10 % faster) and play at most 10
-    steps (no pipeline to fill: every step is alike)."""
+         spread: bool = True, rollout_share: float = 0.75, work: dict | None = None, **assume) -> dict:
+    """One run of ``gpus`` GPUs (a multiple of 8): eta = 0 alternates on all of them, eta > 0 gives
+    ``rollout_share`` of them to generation (AReaL's 3:1 by default) and the rest to training; ``work``: more
+    :class:`Workload` fields (failures, seed). Asynchronous runs are simulated scaled down by a common factor of
+    replicas, trainer and batch; synchronous ones are not (a step waits for the slowest of all replicas, and the
+    slowest of 128 is slower than the slowest of 4: scaled down, 1.5B on 128 GPUs came out 10 % faster) and play at
+    most 10 steps (no pipeline to fill: every step is alike)."""
     scaled = eta > 0 if scaled is None else scaled
     steps = steps if eta > 0 else min(steps, 10)
     model, resp = MODELS[size], lengths(median)
     mean_seq = PROMPT_TOKENS + sum(resp) / len(resp)
     if gpus % 8 or gpus > 2048:
         raise ValueError(f"gpus: a multiple of 8 up to 2,048 (whole nodes), got {gpus}")
-    replicas, train_gpus = (gpus, gpus) if eta == 0 else (gpus * 3 // 4, gpus // 4)
+    rollout_gpus = round(gpus * rollout_share)
+    if eta > 0 and not 0 < rollout_gpus < gpus:
+        raise ValueError(f"rollout_share: leaves no GPU to {'training' if rollout_gpus else 'generation'} "
+                         f"of {gpus} ({rollout_share})")
+    replicas, train_gpus = (gpus, gpus) if eta == 0 else (rollout_gpus, gpus - rollout_gpus)
     scale = math.gcd(replicas, train_gpus, PROMPTS) if scaled else 1  # divides replicas, trainer GPUs and batch
     while replicas // scale < 4 and scale % 2 == 0:  # at least 4 replicas left: groups spread as over a fleet
         scale //= 2
@@ -76,11 +81,13 @@ def play(size: str, gpus: int, eta: int, median: float, steps: int, scaled: bool
     rows = kv_rows(model, H800, PROMPT_TOKENS + sum(resp) / len(resp) / 2)  # a row holds half its response, on average
     work = Workload(steps=steps, batch_groups=PROMPTS // scale, group_size=ANSWERS, max_staleness=eta,
                     replicas=replicas // scale, max_batch_rows=max(rows, ANSWERS), prompt_tokens=PROMPT_TOKENS,
-                    response_tokens=resp, tokens_per_event=256, queued_groups=1, spread_tickets=spread)
+                    response_tokens=resp, tokens_per_event=256, queued_groups=1, spread_tickets=spread,
+                    **(work or {}))
     r = simulate(work, costs)
     return {"gpus": gpus, "eta": eta, "samples_per_s": r.samples_per_s * scale, "tokens_per_s": r.tokens_per_s * scale,
             "trainer_busy": r.trainer_busy, "rollout_busy": r.rollout_busy, "rows_per_replica": work.max_batch_rows,
-            "step_s": r.wall_s / steps}
+            "step_s": r.wall_s / steps, "rollout_gpus": replicas, "train_gpus": train_gpus, "failures": r.failures,
+            "dropped_groups": r.dropped_groups}
 
 
 def generation_check(size: str, median: float, **assume) -> float:

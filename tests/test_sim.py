@@ -326,3 +326,24 @@ def test_the_fit_leaves_alone_a_phase_it_has_nothing_to_scale_in() -> None:
     work = Workload(mode="colocated", max_staleness=0, steps=5, response_tokens=(6, 12))
     _, factors = fit_phases(work, Costs(), {"rollout/decode": 1.0, "rollout/rebuild_prefill": 1.0}, seeds=(0,))
     assert set(factors) == {"rollout/decode"}  # the rebuild's own costs are unset: priced as an admission's
+
+
+def test_the_gpu_plans_split_the_gpus_as_asked_and_count_preemptions(monkeypatch) -> None:
+    """scripts/sim_predict.py's play, as scripts/sim_plan.py drives it: the share of GPUs generating, and replicas
+    preempted at a rate (16 prompts a step, short responses, few steps: well under a second)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sim_predict
+
+    monkeypatch.setattr(sim_predict, "PROMPTS", 16)
+    play = sim_predict.play
+    half = play("1.5B", 16, 8, 200, 3, rollout_share=0.5)
+    assert (half["rollout_gpus"], half["train_gpus"], half["failures"]) == (8, 8, 0)
+    calm = play("1.5B", 16, 8, 200, 3)
+    assert (calm["rollout_gpus"], calm["train_gpus"]) == (12, 4)  # AReaL's 3:1 by default
+    hit = play("1.5B", 16, 8, 200, 3, work={"rollout_failures_per_hour": 360.0, "restart_s": 1.0, "seed": 1})
+    assert hit["failures"] > 0 and hit["samples_per_s"] < calm["samples_per_s"]
+    with pytest.raises(ValueError, match="no GPU to training"):
+        play("1.5B", 16, 8, 200, 3, rollout_share=1.0)
