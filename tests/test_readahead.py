@@ -298,9 +298,12 @@ def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Pa
     try:
         ahead.kick()
         wait_for(lambda: ahead.skipped >= 2)  # everything parsed: only the mtime is looked at
+        ahead.hold()
+        time.sleep(0.05)  # the worker is idle: it must not look between the publish and the utime
         spool.publish(make_group(ticket=1, seed=1))
         os.utime(spool.ready_dir, ns=(stamp, stamp))  # a one-second timestamp would show no change
         skipped = ahead.skipped
+        ahead.kick()
         wait_for(lambda: ahead.skipped >= skipped + 3)
         assert len(ahead) == 1, "unseen: the directory's timestamp did not move"
         ahead.relist()
