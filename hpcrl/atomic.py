@@ -10,6 +10,8 @@ NFS and Lustre.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -17,6 +19,49 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TMP_MARK = ".tmp."
+
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+try:  # Linux (glibc >= 2.28): a rename that refuses an existing target in one call
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+except (AttributeError, OSError, TypeError):
+    _renameat2 = None
+_NOT_SUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)  # a filesystem without RENAME_NOREPLACE (NFS)
+
+
+def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists: ``FileExistsError`` then, ``FileNotFoundError`` when
+    ``src`` is gone (moved already, e.g. by a concurrent claimer). One ``renameat2(RENAME_NOREPLACE)`` where the
+    kernel and the filesystem have it (atomic, one metadata operation); elsewhere a look at ``dst`` and a rename
+    (safe where each target directory has a single writer, as in the spool)."""
+    global _renameat2
+    if _renameat2 is None:
+        _portable_rename_noreplace(src, dst)
+        return
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EEXIST, errno.ENOENT):
+        _refused(src, dst)
+    if err not in _NOT_SUPPORTED:
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    _portable_rename_noreplace(src, dst)  # raises if the arguments were at fault, not the filesystem
+    _renameat2 = None  # it worked without the flag: this process's filesystem lacks it, the portable way from now on
+
+
+def _portable_rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    if os.path.lexists(dst):
+        _refused(src, dst)
+    os.rename(src, dst)
+
+
+def _refused(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    if not os.path.lexists(src):
+        raise FileNotFoundError(errno.ENOENT, f"{src} vanished" if os.path.lexists(dst) else "no such file",
+                                str(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, f"{dst} already exists (moving {src})", str(dst))
+    raise FileNotFoundError(errno.ENOENT, f"no directory for {dst}", str(dst))
 
 
 def is_temporary(name: str) -> bool:

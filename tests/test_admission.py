@@ -87,6 +87,21 @@ def test_the_ticket_count_gallops_past_other_writers_tickets(tmp_path) -> None:
         assert a.num_created() == b.num_created() == b.num_admitted()
 
 
+def test_a_ticket_found_admitted_answers_for_every_ticket_below_it(tmp_path) -> None:
+    """The trainer's ledger asks once per claimed file: tickets are contiguous, so one look covers the older ones;
+    a ticket never created stays unadmitted."""
+    rollout, trainer = ledger(tmp_path, b=8, eta=0), ledger(tmp_path, b=8, eta=0)
+    assert len(admit_all(rollout, 0)) == 8
+    probes = []
+    real = trainer._exists
+    trainer._exists = lambda i: probes.append(i) or real(i)
+    assert trainer.admitted(5) and probes == [5]
+    assert all(trainer.admitted(i) for i in range(6)) and probes == [5], "no look for tickets below one found"
+    assert trainer.admitted(7) and not trainer.admitted(8) and not trainer.admitted(10**6)
+    assert probes == [5, 7, 8, 10**6]
+    assert admit_all(trainer, 1, "t") == list(range(8, 16)), "its next ticket is still the first missing one"
+
+
 def test_a_refused_rollout_asks_the_filesystem_again_only_after_recheck_s(tmp_path, monkeypatch) -> None:
     led = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=2, max_staleness=0, recheck_s=0.3), 10)
     assert admit_all(led, 0) == [0, 1]

@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
+import hpcrl.spool.store as store
 from hpcrl.spool import (
     SCHEMA_VERSION,
     NameInfo,
@@ -204,10 +205,11 @@ def test_publish_writes_the_encoded_file_and_it_is_durable_before_the_rename(tmp
     sp = Spool(tmp_path)
     g = make_group(ticket=3)
     events: list[str] = []
-    real_fsync, real_rename = os.fsync, os.rename
+    real_fsync, real_rename = os.fsync, store.rename_noreplace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync:{os.readlink(f'/proc/self/fd/{fd}')}"),
                                                    real_fsync(fd))[1])
-    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
+    monkeypatch.setattr(store, "rename_noreplace",
+                        lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
     path = sp.publish(g)
     tmp = next(e.split(":", 1)[1] for e in events if e.startswith("rename:"))
     assert events.index(f"fsync:{tmp}") < events.index(f"rename:{tmp}")
@@ -499,10 +501,11 @@ def test_a_move_aside_keeps_its_reason_durable_and_its_directories_for_the_next_
     for t in range(2):
         sp.publish(make_group(ticket=t))
     events: list[str] = []
-    real_fsync, real_rename = os.fsync, os.rename
+    real_fsync, real_rename = os.fsync, store.rename_noreplace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync:{os.readlink(f'/proc/self/fd/{fd}')}"),
                                                    real_fsync(fd))[1])
-    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
+    monkeypatch.setattr(store, "rename_noreplace",
+                        lambda a, b: (events.append(f"rename:{a}"), real_rename(a, b))[1])
     dirs: list[Path] = []
     monkeypatch.setattr(store, "fsync_dir", dirs.append)
     monkeypatch.setattr(atomic, "fsync_dir", dirs.append)

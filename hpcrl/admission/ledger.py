@@ -195,7 +195,14 @@ class AdmissionLedger:
         create_exclusive(self.reissue_dir / f"t{index:09d}", self._record(reason=reason))
 
     def admitted(self, index: int) -> bool:
-        return index < self._cursor or os.path.exists(self.tickets_dir / f"t{index:09d}")
+        """Whether ticket ``index`` was created. Tickets are contiguous from 0 (:meth:`num_created`), so one found
+        answers for every ticket below it without a look (the trainer asks once per file it claims)."""
+        if index < self._cursor:
+            return True
+        if self._exists(index):
+            self._cursor = index + 1
+            return True
+        return False
 
     def is_dropped(self, index: int) -> bool:
         return os.path.exists(self.dropped_dir / f"t{index:09d}")

@@ -33,7 +33,8 @@ quarantines it when the ledger already records its ticket's outcome
 on their own.
 
 Ordering rules: every move is one ``rename`` on the same filesystem, hence
-atomic; a reason file is written (atomically) *before* its data file is moved,
+atomic (``renameat2`` with ``RENAME_NOREPLACE`` where the filesystem has it,
+:func:`hpcrl.atomic.rename_noreplace`); a reason file is written (atomically) *before* its data file is moved,
 so a dropped or quarantined file always has its reason. Moves never overwrite:
 into ready/, claimed/ or trained/ a name collision means a ticket was produced
 twice, which is a bug, and raises ``FileExistsError``; in dropped/ and
@@ -61,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, write_json
+from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, rename_noreplace, write_json
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.spool.format import (
     SpoolFormatError,
@@ -94,12 +95,11 @@ class SpoolEntry:
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:
-    """``os.rename`` that refuses to overwrite (FileNotFoundError if ``src`` is gone)."""
-    if dst.exists():
-        if not src.exists():  # moved already, e.g. by a concurrent claimer
-            raise FileNotFoundError(f"{src} vanished")
-        raise FileExistsError(f"spool name collision: {dst} already exists (moving {src})")
-    os.rename(src, dst)
+    """A rename that refuses to overwrite (FileNotFoundError if ``src`` is gone; :func:`atomic.rename_noreplace`)."""
+    try:
+        rename_noreplace(src, dst)
+    except FileExistsError as e:
+        raise FileExistsError(f"spool name collision: {dst} already exists (moving {src})") from e
 
 
 class Spool:
