@@ -10,6 +10,7 @@ behaviour logprob, and the runner's own rewards.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -329,3 +330,22 @@ def test_status_shows_the_scorings_that_failed(tmp_path) -> None:
     assert "rollout replicas: 2 wanted (rollout.replicas of the config), 1 running" in text, text
     assert "autoscale: trainer waited 25% of the last 60s, ready groups 3/48; last decision: 1 -> 2 (the trainer " \
         "waited)" in text, text
+
+
+def test_an_even_ticket_share_caps_a_replica_at_its_part_of_the_bound(tmp_path) -> None:
+    """rollout.ticket_share=even: a replica holds at most ceil((eta + 1) B / replicas) groups, so a synchronous
+    batch spreads over the fleet instead of filling the first engine that asks; fill (the default) takes all."""
+    fleet = [2]
+    worker, _ = make_worker(tmp_path, fleet_size=lambda: fleet[0])  # eta 0, B = 2 groups of 3
+    try:
+        assert worker.share_cap() is None
+        worker.cfg = dataclasses.replace(worker.cfg, ticket_share="even")
+        assert worker.share_cap() == 3  # ceil(1 * 2 / 2) = one group of 3 episodes
+        worker.pump()
+        assert sorted(worker.groups) == [0] and worker.unfinished() == 3
+        fleet[0] = 1  # the other replica is gone (drained): the whole bound is this one's share
+        assert worker.share_cap() == 6
+        worker.pump()
+        assert sorted(worker.groups)[-1] == 1
+    finally:
+        worker.close()

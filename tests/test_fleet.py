@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from slurm_helpers import wait_for
@@ -15,7 +16,7 @@ from test_e2e import ROOT, cache, submit_args  # noqa: F401 (cache: the fixture 
 from hpcrl.audit import audit
 from hpcrl.config import load_config
 from hpcrl.launch.autoscale import Autoscaler, Signals, last_assessment
-from hpcrl.launch.fleet import plan, replica_of, request_scale, scale_requested
+from hpcrl.launch.fleet import fleet_size, plan, replica_of, request_scale, scale_requested
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
 
@@ -35,6 +36,19 @@ def test_a_scale_request_is_read_back_and_a_negative_count_is_refused(tmp_path) 
     assert scale_requested(tmp_path) == req and req["replicas"] == 3
     with pytest.raises(ValueError, match=">= 0"):
         request_scale(tmp_path, -1)
+
+
+def test_the_fleet_size_a_rollout_sees_follows_scale_requests_read_at_most_every_interval(tmp_path) -> None:
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["rollout.replicas=2"])
+    size = fleet_size(cfg, tmp_path, every_s=0.05)
+    assert size() == 2  # no request: rollout.replicas
+    request_scale(tmp_path, 5)
+    assert size() == 2, "read again only after the interval"
+    time.sleep(0.06)
+    assert size() == 5
+    request_scale(tmp_path, 0)  # drained to nothing: a share is still taken over one replica
+    time.sleep(0.06)
+    assert size() == 1
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpcrl import atomic
 
@@ -60,6 +61,22 @@ def wanted_replicas(cfg, run_dir: Path) -> int:
     """How many rollout replicas the run should have now: the newest request, else ``rollout.replicas``."""
     req = scale_requested(run_dir)
     return cfg.rollout.replicas if req is None else req["replicas"]
+
+
+def fleet_size(cfg, run_dir: Path, every_s: float = 5.0) -> Callable[[], int]:
+    """:func:`wanted_replicas`, read again at most every ``every_s`` (a rollout asks on every pass of its loop)."""
+    seen = {"at": -float("inf"), "n": cfg.rollout.replicas}
+
+    def size() -> int:
+        now = time.monotonic()
+        if now - seen["at"] >= every_s:
+            try:
+                seen["n"] = max(1, wanted_replicas(cfg, run_dir))
+            except (OSError, ValueError, KeyError, TypeError):  # a request being rewritten: the last size stands
+                pass
+            seen["at"] = now
+        return seen["n"]
+    return size
 
 
 def replica_of(name: str) -> int | None:

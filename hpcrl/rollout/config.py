@@ -54,6 +54,12 @@ class RolloutConfig:
     # on new weights: rebuild the KV cache of in-flight sequences by prefill (exact continuation under the new
     # weights), or keep the old cache (PipelineRL-style, no prefill; logprobs stay the sampling ones)
     kv_on_update: Literal["recompute", "keep"] = "recompute"
+    # how many tickets a replica takes: fill = while its engine has room (one replica may take a whole synchronous
+    # batch while the others idle); even = at most its even share of what the staleness bound lets be
+    # outstanding, ceil((max_staleness + 1) * batch_size / replicas) groups, replicas being the fleet's current size
+    # (`hpcrl scale`, else rollout.replicas): for synchronous or small-eta runs on fleets whose engines together
+    # hold more than the bound (docs/performance.md, "Predictions for GPU clusters")
+    ticket_share: Literal["fill", "even"] = "fill"
 
     def __post_init__(self) -> None:
         engine_spec(self.engine, key="engine").check(self)  # the engine's own checks (kv_on_update, server_update)

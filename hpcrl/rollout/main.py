@@ -38,6 +38,7 @@ import torch
 from hpcrl import atomic
 from hpcrl.admission.ledger import AdmissionLedger, incarnation
 from hpcrl.config import RunConfig, load_saved
+from hpcrl.launch.fleet import fleet_size
 from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
@@ -88,7 +89,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     return RolloutWorker(cfg.rollout, cfg.admission, engine=engine, tokenizer=tokenizer, rows=train_rows,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
                          chat_template=cfg.data.chat_template, episodes=episodes,
-                         infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s)
+                         infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s,
+                         fleet_size=fleet_size(cfg, run_dir))
 
 
 def run(run_dir: Path, replica: int) -> None:

@@ -20,7 +20,9 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    interrupted and continues under it (tokens keep their versions);
 2. then admission, keeping the engine's slots plus one group's worth of
    queue filled (``max_batch_size + group_size`` unfinished episodes; one
-   request each with SingleTurn);
+   request each with SingleTurn); with ``rollout.ticket_share=even`` at most
+   the replica's even share of the groups the staleness bound lets be
+   outstanding (:meth:`RolloutWorker.share_cap`);
 3. then one engine poll (one decode step of the embedded engine, a short
    wait for responses of a server engine), its completions handed to the
    episode runner, and the episodes the runner finished taken from it. A
@@ -113,10 +115,12 @@ class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, admission: AdmissionConfig, *, engine: InferenceEngine, tokenizer,
                  rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: Scorer, writer: str,
                  episodes: EpisodeRunner, weights: WeightTransport | None = None, chat_template: bool = False,
-                 infra_retry_s: float = 2.0, infra_max_wait_s: float = 600.0) -> None:
+                 infra_retry_s: float = 2.0, infra_max_wait_s: float = 600.0,
+                 fleet_size: Callable[[], int] | None = None) -> None:
         """``episodes``: what a sample is (:class:`~hpcrl.rollout.episodes.SingleTurn` scored by ``reward``, or an
         agent's episodes); ``reward``: the job's scorer, which the job closes; ``infra_retry_s`` and
-        ``infra_max_wait_s``: how a group whose scoring failed is scored again (module docstring)."""
+        ``infra_max_wait_s``: how a group whose scoring failed is scored again (module docstring); ``fleet_size``:
+        the rollout replicas the run has now, for ``rollout.ticket_share=even`` (default ``rollout.replicas``)."""
         self.cfg, self.admission = cfg, admission
         self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
         self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
@@ -127,6 +131,7 @@ class RolloutWorker:
         self.infra_retry_s, self.infra_max_wait_s = infra_retry_s, infra_max_wait_s
         self.stats = RolloutStats()
         self.publisher = BackgroundPublisher(spool, self._published)
+        self.fleet_size = fleet_size or (lambda: cfg.replicas)
 
     def run(self, should_stop: Callable[[], bool], on_idle: Callable[[], None] | None = None) -> None:
         """Pump until ``should_stop()``; sleep briefly whenever there is nothing to do."""
@@ -232,8 +237,18 @@ class RolloutWorker:
         log.warning("weights went back to version %d (trainer resumed); regenerating %d in-flight samples",
                     version, len(aborted))
 
+    def share_cap(self) -> int | None:
+        """With ``rollout.ticket_share=even``: the unfinished episodes this replica may hold, its even share of the
+        groups the staleness bound lets be outstanding (at least one group); None: no cap (``fill``)."""
+        if self.cfg.ticket_share != "even":
+            return None
+        outstanding = (self.admission.max_staleness + 1) * self.admission.batch_size
+        return max(1, -(-outstanding // max(1, self.fleet_size()))) * self.cfg.group_size
+
     def _admit(self) -> None:
         cap = self.episodes.max_unfinished(self.cfg.max_batch_size + self.cfg.group_size)
+        share = self.share_cap()
+        cap = cap if share is None else min(cap, share)
         while self.unfinished() < cap:
             ticket = self.ledger.try_admit(self.engine.version, self.writer)
             if ticket is None:
