@@ -35,13 +35,16 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     kernel and the filesystem have it (atomic, one metadata operation); elsewhere a look at ``dst`` and a rename
     (safe where each target directory has a single writer, as in the spool)."""
     global _renameat2
-    if _renameat2 is None:
+    native = _renameat2  # read once: another thread may switch it off meanwhile
+    if native is None:
         _portable_rename_noreplace(src, dst)
         return
-    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+    if native(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
         return
     err = ctypes.get_errno()
-    if err in (errno.EEXIST, errno.ENOENT):
+    if err == errno.EEXIST:  # the kernel reports a missing source first: this one was there
+        raise FileExistsError(errno.EEXIST, f"{dst} already exists (moving {src})", str(dst))
+    if err == errno.ENOENT:
         _refused(src, dst)
     if err not in _NOT_SUPPORTED:
         raise OSError(err, os.strerror(err), str(src), None, str(dst))

@@ -333,19 +333,23 @@ def test_status_shows_the_scorings_that_failed(tmp_path) -> None:
 
 
 def test_an_even_ticket_share_caps_a_replica_at_its_part_of_the_bound(tmp_path) -> None:
-    """rollout.ticket_share=even: a replica holds at most ceil((eta + 1) B / replicas) groups, so a synchronous
-    batch spreads over the fleet instead of filling the first engine that asks; fill (the default) takes all."""
+    """rollout.ticket_share=even: a replica holds at most ceil((eta + 1) B / replicas) groups, however far their
+    episodes got, so a synchronous batch spreads over the fleet instead of filling the first engine that asks;
+    fill (the default) takes all (a review found the first version counting episodes, not groups)."""
     fleet = [2]
     worker, _ = make_worker(tmp_path, fleet_size=lambda: fleet[0])  # eta 0, B = 2 groups of 3
     try:
         assert worker.share_cap() is None
         worker.cfg = dataclasses.replace(worker.cfg, ticket_share="even")
-        assert worker.share_cap() == 3  # ceil(1 * 2 / 2) = one group of 3 episodes
-        worker.pump()
+        assert worker.share_cap() == 1  # ceil(1 * 2 / 2)
+        worker._admit()
         assert sorted(worker.groups) == [0] and worker.unfinished() == 3
+        worker.groups[0].done[0] = object()  # one episode of the group finished: room for episodes, not groups
+        worker._admit()
+        assert sorted(worker.groups) == [0] and worker.unfinished() == 2
         fleet[0] = 1  # the other replica is gone (drained): the whole bound is this one's share
-        assert worker.share_cap() == 6
-        worker.pump()
-        assert sorted(worker.groups)[-1] == 1
+        assert worker.share_cap() == 2
+        worker._admit()
+        assert sorted(worker.groups) == [0, 1]
     finally:
         worker.close()

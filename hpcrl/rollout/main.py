@@ -90,7 +90,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
                          chat_template=cfg.data.chat_template, episodes=episodes,
                          infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s,
-                         fleet_size=fleet_size(cfg, run_dir))
+                         fleet_size=(lambda: 1) if cfg.launch.mode == "colocated" else fleet_size(cfg, run_dir))
 
 
 def run(run_dir: Path, replica: int) -> None:

@@ -238,18 +238,18 @@ class RolloutWorker:
                     version, len(aborted))
 
     def share_cap(self) -> int | None:
-        """With ``rollout.ticket_share=even``: the unfinished episodes this replica may hold, its even share of the
-        groups the staleness bound lets be outstanding (at least one group); None: no cap (``fill``)."""
+        """With ``rollout.ticket_share=even``: the groups this replica may hold (generating, or held to be scored
+        again), its even share of the groups the staleness bound lets be outstanding, at least one; None: no cap
+        (``fill``)."""
         if self.cfg.ticket_share != "even":
             return None
         outstanding = (self.admission.max_staleness + 1) * self.admission.batch_size
-        return max(1, -(-outstanding // max(1, self.fleet_size()))) * self.cfg.group_size
+        return max(1, -(-outstanding // max(1, self.fleet_size())))
 
     def _admit(self) -> None:
         cap = self.episodes.max_unfinished(self.cfg.max_batch_size + self.cfg.group_size)
         share = self.share_cap()
-        cap = cap if share is None else min(cap, share)
-        while self.unfinished() < cap:
+        while self.unfinished() < cap and (share is None or len(self.groups) + len(self.held) < share):
             ticket = self.ledger.try_admit(self.engine.version, self.writer)
             if ticket is None:
                 return
