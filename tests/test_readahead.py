@@ -205,6 +205,15 @@ def test_an_unchanged_ready_directory_is_not_listed_again(tmp_path: Path, monkey
         ahead.close()
 
 
+def publish_within_the_tick(spool: Spool, ahead: ReadAhead, stamp: int) -> None:
+    """Ticket 1 arrives while the worker is idle and ready/ keeps the modification time ``stamp``, as a one-second
+    timestamp would show it."""
+    ahead.hold()
+    time.sleep(0.05)  # the worker is idle: it must not look between the publish and the utime
+    spool.publish(make_group(ticket=1, seed=1))
+    os.utime(spool.ready_dir, ns=(stamp, stamp))
+
+
 def test_a_file_that_arrives_within_the_directory_timestamp_s_tick_is_still_parsed(tmp_path: Path,
                                                                                  monkeypatch) -> None:
     """With a coarse timestamp a file can arrive without changing ready/'s mtime; a pass that listed ready/ within
@@ -218,10 +227,7 @@ def test_a_file_that_arrives_within_the_directory_timestamp_s_tick_is_still_pars
     try:
         ahead.kick()
         wait_for(lambda: len(ahead) == 1)
-        ahead.hold()
-        time.sleep(0.05)  # the worker is idle
-        spool.publish(make_group(ticket=1, seed=1))
-        os.utime(spool.ready_dir, ns=(stamp, stamp))  # as a one-second timestamp would show it: unchanged
+        publish_within_the_tick(spool, ahead, stamp)
         monkeypatch.setattr(readahead, "_RACY_NS", 0)  # from now on a listing is never racy: the first one was
         ahead.kick()
         wait_for(lambda: len(ahead) == 2)
@@ -298,10 +304,7 @@ def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Pa
     try:
         ahead.kick()
         wait_for(lambda: ahead.skipped >= 2)  # everything parsed: only the mtime is looked at
-        ahead.hold()
-        time.sleep(0.05)  # the worker is idle: it must not look between the publish and the utime
-        spool.publish(make_group(ticket=1, seed=1))
-        os.utime(spool.ready_dir, ns=(stamp, stamp))  # a one-second timestamp would show no change
+        publish_within_the_tick(spool, ahead, stamp)
         skipped = ahead.skipped
         ahead.kick()
         wait_for(lambda: ahead.skipped >= skipped + 3)
