@@ -69,12 +69,8 @@ def fleet_size(cfg, run_dir: Path, every_s: float = 5.0) -> Callable[[], int]:
 
     def size() -> int:
         now = time.monotonic()
-        if now - seen["at"] >= every_s:
-            try:
-                seen["n"] = max(1, wanted_replicas(cfg, run_dir))
-            except (OSError, ValueError, KeyError, TypeError):  # a request being rewritten: the last size stands
-                pass
-            seen["at"] = now
+        if now - seen["at"] >= every_s:  # scale_requested reads a missing or unreadable request as none
+            seen["n"], seen["at"] = max(1, wanted_replicas(cfg, run_dir)), now
         return seen["n"]
     return size
 
