@@ -329,3 +329,23 @@ def test_the_admin_api_adds_keys_sets_rewards_and_ends_sessions_under_its_key(se
         assert admin("GET").json()["data"] == []
     finally:
         proxy.admin_key = None
+
+
+def test_a_reply_with_special_tokens_inside_is_continued_with_the_tokens_the_model_wrote(served) -> None:
+    """The agent reads the reply without the special tokens the model sampled (a pad, an unk); the next call
+    still continues the model's own tokens, so the episode is one trained branch."""
+    proxy, engine, url = served
+    key = proxy.open(("t", "special"))
+    c = client(url, key)
+    engine.script += ["4<unk>2<pad>", "<unk>", "ok"]
+    messages = [{"role": "user", "content": "2+2"}]
+    for _ in range(3):
+        r = c.chat.completions.create(model="x", messages=messages)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+    assert [m["content"] for m in messages[1::2]] == ["42", None, "ok"]
+    asked = proxy.tokenizer.decode(engine.asked[-1], skip_special_tokens=False)
+    assert asked == ("user: 2+2<eos>\nassistant: 4<unk>2<pad><eos>\nuser: again<eos>\nassistant: <unk><eos>\n"
+                     "user: again<eos>\nassistant: ")
+    calls = proxy.close(key).calls
+    assert concat(calls).turns == 3 and concat(calls).off_branch == 0

@@ -168,9 +168,9 @@ def prompt_budget(limits: ModelLimits, max_prompt_tokens: int, max_tokens: int) 
         return max_prompt_tokens or None
     budget = max_prompt_tokens or limits.context - max_tokens
     if not 1 <= budget < limits.context:
+        why = "" if max_prompt_tokens else f" (the context minus rollout.max_new_tokens={max_tokens})"
         raise ValueError(f"agent.max_prompt_tokens: must leave room in the model's context of {limits.context} "
-                         f"tokens for a reply: got {budget}" + ("" if max_prompt_tokens else
-                                                              f" (the context minus rollout.max_new_tokens={max_tokens})"))
+                         f"tokens for a reply: got {budget}{why}")
     return budget
 
 
@@ -273,6 +273,15 @@ class AgentProxy:
         so that a longer prefix of tokens always decodes to a longer prefix of text."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
+    def read_as(self, output_ids: list[int]) -> str:
+        """``output_ids`` as the agent's reply holds them: without the special tokens a sampled output may carry
+        (a pad, an unk), which the reply's text leaves out, but with the eos that ends it, which the template
+        writes back as the turn's end."""
+        special = set(self.tokenizer.all_special_ids)
+        last = len(output_ids) - 1
+        return self.decode([t for k, t in enumerate(output_ids)
+                            if t not in special or (k == last and t == self.tokenizer.eos_token_id)], False)
+
     def chat_prompt(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Token ids of a chat request's prompt, continuing the longest earlier call it extends exactly."""
         full = self.render(messages, tools, True)
@@ -288,9 +297,12 @@ class AgentProxy:
             # what the template writes after the model's own tokens: the newline after eos; after a reply cut at
             # a stop string (the tokens keep it, the agent got the text before it), the whole turn closer
             content = (call.reply or {}).get("content") or ""
+            read = self.read_as(call.output_ids)  # the special tokens the agent did not see left out
             if reply_text.startswith(said):
                 trailer = reply_text[len(said):]
-            elif call.finish_reason == "stop" and content and said.startswith(content) \
+            elif reply_text.startswith(read):
+                trailer = reply_text[len(read):]
+            elif call.finish_reason == "stop" and content and self.decode(call.output_ids, True).startswith(content) \
                     and reply_text.startswith(content):
                 trailer = reply_text[len(content):]
             else:  # the reply renders otherwise than the tokens read: no exact continuation
