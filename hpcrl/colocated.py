@@ -2,10 +2,12 @@
 
 ``python -m hpcrl.colocated --run-dir DIR``. The trainer's schedule
 (:func:`hpcrl.trainer.main.train_loop`) runs unchanged; while it waits for a
-batch it pumps an in-process rollout worker, and a new version is handed to
-that worker's engine in memory (no disk, no collective). With
-``admission.max_staleness=0`` this is classic synchronous RL on one device,
-the baseline the asynchronous modes are measured against.
+batch it pumps an in-process rollout worker. A new version is handed to
+that worker's engine in memory (no disk, no collective), and each group the
+worker publishes reaches the trainer's read-ahead in memory too (the file is
+still written, claimed and committed as in every mode; only its parse is
+saved). With ``admission.max_staleness=0`` this is classic synchronous RL on
+one device, the baseline the asynchronous modes are measured against.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def _run(run_dir: Path) -> None:
                                 tokenizer.pad_token_id, cfg.model.dtype)
     worker = build_worker(cfg, run_dir, prep, 0, writer=f"c-{fence.instance}", fence=fence)
     feed, reporter, runner = build_rank0(cfg, run_dir, prep, tokenizer, fence)
+    if feed.ahead is not None:  # the groups this process writes need no parse to be read back
+        worker.spool.on_publish = feed.ahead.offer
     heartbeat = Heartbeat(run_dir, f"colocated@{fence.instance}", cfg.launch.heartbeat_interval_s)
 
     seen = [worker.stats.groups_published]

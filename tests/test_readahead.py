@@ -56,6 +56,25 @@ def test_a_claimed_file_is_read_once_by_the_worker_and_handed_over(tmp_path: Pat
         ahead.close()
 
 
+def test_groups_offered_by_their_writer_are_handed_over_without_a_parse(tmp_path: Path) -> None:
+    """Colocated mode: the process that publishes a file gives the read-ahead its group; nothing parses it."""
+    spool = Spool(tmp_path / "spool")
+    reader = CountingReader()
+    ahead = ReadAhead(spool.ready_dir, limit=2, reader=reader)
+    spool.on_publish = ahead.offer
+    written = {g.ticket: g for g in (make_group(ticket=t, seed=t) for t in range(3))}
+    try:
+        for g in written.values():
+            spool.publish(g)
+        assert ahead.offered == 2 and len(ahead) == 2  # the limit: the third is left to the worker or the claim
+        for entry in spool.claim(spool.ready()):
+            assert_same_group(spool.load(entry, ahead.read), written[entry.ticket])
+        assert (ahead.hits, ahead.misses) == (2, 1)
+        assert reader.paths == [e.name for e in spool.claimed() if e.ticket == 2]  # the offered ones: never parsed
+    finally:
+        ahead.close()
+
+
 def test_another_file_under_the_same_name_is_read_again(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
     path = spool.publish(make_group(ticket=1, seed=1))

@@ -27,6 +27,7 @@ from hpcrl.spool import (
     SpoolFormatError,
     TrajectoryGroup,
     encode_group,
+    encode_group_read,
     file_name,
     parse_name,
     read_group,
@@ -80,6 +81,27 @@ def test_round_trip_bit_equal(tmp_path: Path) -> None:
     assert_same_group(g, back)
     assert len(back.samples[1].response_ids) == 0
     assert (back.min_version, back.max_version) == (g.min_version, g.max_version)
+
+
+def test_encode_group_read_gives_the_group_read_group_returns_and_refuses_what_it_refuses(tmp_path: Path) -> None:
+    g = make_group()
+    g.samples[0].behav_logprobs = [float(x) for x in g.samples[0].behav_logprobs]  # as a writer holds them
+    g.samples[0].response_ids = [int(x) for x in g.samples[0].response_ids]
+    g.samples[2].reward = 1 / 3  # not a float32
+    g.meta["pair"] = (1, 2)  # JSON makes it a list
+    data, view = encode_group_read(g)
+    assert data == encode_group(g)
+    (tmp_path / "x.h5").write_bytes(data)
+    assert_same_group(view, read_group(tmp_path / "x.h5"))
+    assert view.samples[2].reward != 1 / 3 and view.meta["pair"] == [1, 2]
+    assert not np.shares_memory(view.prompt_ids, g.prompt_ids)
+    bad = make_group()
+    bad.samples[0].behav_logprobs[1] = np.nan
+    data, view = encode_group_read(bad)
+    (tmp_path / "bad.h5").write_bytes(data)
+    assert view is None
+    with pytest.raises(SpoolFormatError, match="NaN"):
+        read_group(tmp_path / "bad.h5")
 
 
 def test_schema_layout_is_as_documented(tmp_path: Path) -> None:

@@ -56,8 +56,8 @@ _HEADER_TYPES: dict[str, tuple[type, ...]] = {  # header key -> accepted JSON ty
 _EMPTY_VERSION_KEY = "version"  # meta key giving the version of a group without tokens
 
 __all__ = ["PROMPT_DTYPE", "READABLE_SCHEMAS", "SAMPLE_DTYPE", "SCHEMA_VERSION", "TOKEN_DTYPE", "NameInfo", "Sample",
-           "SpoolFormatError", "TrajectoryGroup", "encode_group", "file_name", "parse_name", "read_group",
-           "validate_group", "write_group"]
+           "SpoolFormatError", "TrajectoryGroup", "encode_group", "encode_group_read", "file_name", "parse_name",
+           "read_group", "validate_group", "write_group"]
 
 
 @dataclass
@@ -165,6 +165,26 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     bad group still reaches the spool and is quarantined with a reason. Call
     ``validate_group`` first to fail early instead.
     """
+    return encode(*_encoded_parts(group))
+
+
+def encode_group_read(group: TrajectoryGroup) -> tuple[bytes, TrajectoryGroup | None]:
+    """The bytes of ``group``'s spool file and the group ``read_group`` returns from them, built from the very
+    arrays that were encoded and validated as ``read_group`` validates (without parsing the bytes); ``None`` in
+    its place when ``read_group`` would refuse the file. For a reader in the writing process (colocated mode)."""
+    attrs, datasets = _encoded_parts(group)
+    samples, tokens = datasets["samples"], datasets["tokens"]
+    try:  # copies, as a read makes them: the trainer's group shares no memory with the writer's
+        view = _assemble(json.loads(attrs["header"]), np.array(datasets["prompt_ids"]),
+                         np.ascontiguousarray(samples["length"]), np.ascontiguousarray(samples["reward"]),
+                         {name: np.ascontiguousarray(tokens[col]) for name, (col, _) in _TOKEN_COLUMNS.items()})
+    except SpoolFormatError:
+        view = None
+    return encode(attrs, datasets), view
+
+
+def _encoded_parts(group: TrajectoryGroup) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``encode``'s attributes and datasets for ``group``."""
     lo, hi = _check_writable(group)
     samples = np.empty(len(group.samples), SAMPLE_DTYPE)
     samples["length"] = [len(s.response_ids) for s in group.samples]
@@ -176,9 +196,8 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     header = {"ticket": int(group.ticket), "writer": group.writer, "min_version": lo, "max_version": hi,
               "created": float(group.created), "finish_reasons": [s.finish_reason for s in group.samples],
               "meta": group.meta}
-    return encode({"schema_version": SCHEMA_VERSION, "header": json.dumps(header, ensure_ascii=False)},
-                  {"prompt_ids": _as_1d(group.prompt_ids, PROMPT_DTYPE, "prompt_ids"),
-                   "samples": samples, "tokens": tokens})
+    return ({"schema_version": SCHEMA_VERSION, "header": json.dumps(header, ensure_ascii=False)},
+            {"prompt_ids": _as_1d(group.prompt_ids, PROMPT_DTYPE, "prompt_ids"), "samples": samples, "tokens": tokens})
 
 
 def write_group(path: Path, group: TrajectoryGroup) -> None:

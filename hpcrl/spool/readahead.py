@@ -20,6 +20,11 @@ of the next batch during the current step instead, without taking them:
   invalid) is decided at claim time exactly as without it. A file it cannot
   parse is simply not kept; the trainer's own read then finds the fault and
   quarantines the file with its reason.
+* In colocated mode the files are written by the same process, which hands
+  each group to :meth:`offer` as it publishes it (``Spool.on_publish``,
+  with the group exactly as ``read_group`` returns it and validated the
+  same way: ``encode_group_read``); the worker then has nothing to parse
+  and generation nothing to share the GIL with.
 * :meth:`read` (the trainer's read of a claimed file) returns the parsed
   group only if the file at that path is the very file that was parsed:
   same device, inode, size and modification time (a claim is a rename, which
@@ -96,6 +101,7 @@ class ReadAhead:
         self._thread: threading.Thread | None = None
         self.busy_s = 0.0  # the worker's time listing and parsing
         self.hits = self.misses = 0  # reads served from the worker's parse / read there and then
+        self.offered = 0  # groups kept from their writer in this process (offer), never parsed
         self.passes = 0  # listings of ready/ the worker finished
         self.skipped = 0  # looks at ready/ that found its modification time unchanged: no listing
         self._listed_mtime: int | None = None  # ready/'s mtime at the last pass that left nothing to parse
@@ -131,6 +137,20 @@ class ReadAhead:
         the same) or found unparsable (the read finds the fault again)."""
         with self._lock:
             return name in self._parsed or name in self._failed
+
+    def offer(self, path: Path, group: TrajectoryGroup) -> None:
+        """``group`` is what ``read_group(path)`` returns, from the process that has just published ``path``
+        (colocated mode: ``Spool.on_publish``): kept as if the worker had parsed it, with the file's identity
+        now, so neither the worker nor the claim parses it. Not kept when ``limit`` parses wait already (the
+        worker reads it later) or the file has left ``ready/`` (claimed meanwhile: the claim reads it)."""
+        try:
+            identity = _Identity.of(os.stat(path))
+        except OSError:
+            return
+        with self._lock:
+            if len(self._parsed) < self.limit:
+                self._parsed[Path(path).name] = (identity, group)
+                self.offered += 1
 
     def read(self, path: Path) -> TrajectoryGroup:
         """The group in ``path``: the worker's parse if it is the same file, else read now."""

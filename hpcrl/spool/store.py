@@ -68,6 +68,7 @@ from hpcrl.spool.format import (
     SpoolFormatError,
     TrajectoryGroup,
     encode_group,
+    encode_group_read,
     file_name,
     parse_name,
     read_group,
@@ -120,6 +121,9 @@ class Spool:
         self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
         self._unsynced: set[Path] = set()  # directories with claims or commits not yet made durable (sync)
         self._ready_known: dict[str, SpoolEntry] = {}  # the last listing of ready/, by name (ready)
+        # a reader in this process (colocated mode's read-ahead): handed each published file's path and the group
+        # ``read_group`` would return from it, so that it need not parse what this process has just written
+        self.on_publish: Callable[[Path, TrajectoryGroup], None] | None = None
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
@@ -130,7 +134,7 @@ class Spool:
         write and fsynced through the same descriptor.
         """
         name = file_name(group)
-        data = encode_group(group)
+        data, view = encode_group_read(group) if self.on_publish is not None else (encode_group(group), None)
         final = self.ready_dir / name
         tmp = self.tmp_dir / f"{name}{TMP_MARK}{os.getpid()}"
         try:
@@ -145,6 +149,8 @@ class Spool:
             raise
         fsync_dir(self.ready_dir)
         logger.debug("published %s", name)
+        if view is not None and self.on_publish is not None:
+            self.on_publish(final, view)
         return final
 
     def clean_tmp(self, older_than_s: float = 3600.0) -> int:
