@@ -331,21 +331,41 @@ def test_the_admin_api_adds_keys_sets_rewards_and_ends_sessions_under_its_key(se
         proxy.admin_key = None
 
 
-def test_a_reply_with_special_tokens_inside_is_continued_with_the_tokens_the_model_wrote(served) -> None:
-    """The agent reads the reply without the special tokens the model sampled (a pad, an unk); the next call
-    still continues the model's own tokens, so the episode is one trained branch."""
-    proxy, engine, url = served
+@pytest.fixture(scope="module")
+def served_reserved():
+    """The proxy with a tokenizer that also has a special token outside its special-tokens map (as Llama 3's
+    reserved tokens are): decoding skips it, ``all_special_ids`` does not list it."""
+    from tokenizers import AddedToken
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_tokens([AddedToken("<|reserved|>", special=True)])
+    assert tokenizer.convert_tokens_to_ids("<|reserved|>") not in tokenizer.all_special_ids
+    engine = ScriptedEngine(tokenizer)
+    proxy = AgentProxy(tokenizer, engine.generate, limits=ModelLimits(vocab_size=len(tokenizer), context=1024),
+                       max_tokens=128)
+    with serve(build_app(proxy)) as url:
+        yield proxy, engine, url
+
+
+@pytest.mark.parametrize("script, shown, written", [
+    (["4<unk>2<pad>", "<unk>", "ok"], ["42", None, "ok"], ["4<unk>2<pad><eos>", "<unk><eos>"]),
+    (["4<|reserved|>2", "<|reserved|>", "ok"], ["42", None, "ok"], ["4<|reserved|>2<eos>", "<|reserved|><eos>"]),
+])
+def test_a_reply_with_special_tokens_inside_is_continued_with_the_tokens_the_model_wrote(
+        served_reserved, script, shown, written) -> None:
+    """The agent reads the reply without the special tokens the model sampled (a pad, an unk, a reserved token);
+    the next call still continues the model's own tokens, eos once, so the episode is one trained branch."""
+    proxy, engine, url = served_reserved
     key = proxy.open(("t", "special"))
     c = client(url, key)
-    engine.script += ["4<unk>2<pad>", "<unk>", "ok"]
+    engine.script += script
     messages = [{"role": "user", "content": "2+2"}]
     for _ in range(3):
         r = c.chat.completions.create(model="x", messages=messages)
         messages += [{"role": "assistant", "content": r.choices[0].message.content},
                      {"role": "user", "content": "again"}]
-    assert [m["content"] for m in messages[1::2]] == ["42", None, "ok"]
+    assert [m["content"] for m in messages[1::2]] == shown
     asked = proxy.tokenizer.decode(engine.asked[-1], skip_special_tokens=False)
-    assert asked == ("user: 2+2<eos>\nassistant: 4<unk>2<pad><eos>\nuser: again<eos>\nassistant: <unk><eos>\n"
+    assert asked == (f"user: 2+2<eos>\nassistant: {written[0]}\nuser: again<eos>\nassistant: {written[1]}\n"
                      "user: again<eos>\nassistant: ")
     calls = proxy.close(key).calls
     assert concat(calls).turns == 3 and concat(calls).off_branch == 0

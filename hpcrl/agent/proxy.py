@@ -274,13 +274,13 @@ class AgentProxy:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
     def read_as(self, output_ids: list[int]) -> str:
-        """``output_ids`` as the agent's reply holds them: without the special tokens a sampled output may carry
-        (a pad, an unk), which the reply's text leaves out, but with the eos that ends it, which the template
-        writes back as the turn's end."""
-        special = set(self.tokenizer.all_special_ids)
-        last = len(output_ids) - 1
-        return self.decode([t for k, t in enumerate(output_ids)
-                            if t not in special or (k == last and t == self.tokenizer.eos_token_id)], False)
+        """``output_ids`` as the agent's reply holds them: decoded without the special tokens a sampled output may
+        carry (a pad, an unk, a reserved token), as the reply's text is, but with the eos that ends it, which the
+        template writes back as the turn's end."""
+        eos = self.tokenizer.eos_token_id
+        ends = bool(output_ids) and output_ids[-1] == eos
+        body = self.decode(output_ids[:-1] if ends else output_ids, True)
+        return body + self.decode([eos], False) if ends else body
 
     def chat_prompt(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Token ids of a chat request's prompt, continuing the longest earlier call it extends exactly."""
@@ -302,8 +302,9 @@ class AgentProxy:
                 trailer = reply_text[len(said):]
             elif reply_text.startswith(read):
                 trailer = reply_text[len(read):]
-            elif call.finish_reason == "stop" and content and self.decode(call.output_ids, True).startswith(content) \
-                    and reply_text.startswith(content):
+            elif (call.finish_reason == "stop" and content and call.output_ids[-1:] != [self.tokenizer.eos_token_id]
+                  and self.decode(call.output_ids, True).startswith(content) and reply_text.startswith(content)):
+                # cut at a stop string: no eos among the tokens, the template's closer follows them
                 trailer = reply_text[len(content):]
             else:  # the reply renders otherwise than the tokens read: no exact continuation
                 continue
