@@ -67,10 +67,43 @@ def test_groups_offered_by_their_writer_are_handed_over_without_a_parse(tmp_path
         for g in written.values():
             spool.publish(g)
         assert ahead.offered == 2 and len(ahead) == 2  # the limit: the third is left to the worker or the claim
+        ahead.kick()  # the worker lists ready/: the offered files are taken as parsed
+        passes = ahead.passes
+        wait_for(lambda: ahead.passes >= passes + 2)
+        ahead.hold()
+        assert reader.paths == []  # the worker had no room for the third
         for entry in spool.claim(spool.ready()):
             assert_same_group(spool.load(entry, ahead.read), written[entry.ticket])
         assert (ahead.hits, ahead.misses) == (2, 1)
         assert reader.paths == [e.name for e in spool.claimed() if e.ticket == 2]  # the offered ones: never parsed
+    finally:
+        ahead.close()
+
+
+def test_an_offered_group_whose_file_was_replaced_is_read_and_a_failing_reader_costs_no_publish(
+        tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    ahead = ReadAhead(spool.ready_dir, limit=8)
+    spool.on_publish = ahead.offer
+    try:
+        path = spool.publish(make_group(ticket=1, seed=1))
+        replacement = make_group(ticket=1, seed=1)
+        replacement.samples[0].reward = 42.0  # same name, other content, written by someone else
+        os.unlink(path)
+        spool.on_publish = None
+        spool.publish(replacement)
+        os.utime(path, ns=(1, 1))  # a different identity even where the inode number is reused
+        assert_same_group(ahead.read(path), replacement)
+        assert (ahead.offered, ahead.hits, ahead.misses) == (1, 0, 1)
+
+        def broken(*_) -> None:
+            raise RuntimeError("reader gone")
+        spool.on_publish = broken
+        assert_same_group(read_group(spool.publish(make_group(ticket=2, seed=2))), make_group(ticket=2, seed=2))
+        ahead.close()
+        spool.on_publish = ahead.offer
+        spool.publish(make_group(ticket=3, seed=3))
+        assert ahead.offered == 1  # nothing kept after close
     finally:
         ahead.close()
 
@@ -148,7 +181,7 @@ def test_the_feed_reads_the_next_batch_during_the_step_and_quarantines_as_before
         assert (feed.ahead.hits, feed.ahead.misses) == (2, 3)
         timings, counts = feed.step_report()
         assert timings["spool"] == feed.spool_s and timings["read_ahead"] > 0
-        assert counts == {"spool/read_ahead_hits": 2, "spool/read_ahead_misses": 3}
+        assert counts == {"spool/read_ahead_hits": 2, "spool/read_ahead_misses": 3, "spool/read_ahead_offered": 0}
         assert [e.ticket for e in spool.quarantined()] == [2]
         assert "unreadable" in spool.reason(spool.quarantined()[0])["reason"]
         assert ledger.dropped() == {2: "quarantined"}

@@ -21,10 +21,10 @@ of the next batch during the current step instead, without taking them:
   parse is simply not kept; the trainer's own read then finds the fault and
   quarantines the file with its reason.
 * In colocated mode the files are written by the same process, which hands
-  each group to :meth:`offer` as it publishes it (``Spool.on_publish``,
-  with the group exactly as ``read_group`` returns it and validated the
-  same way: ``encode_group_read``); the worker then has nothing to parse
-  and generation nothing to share the GIL with.
+  each group to :meth:`offer` just before the rename that publishes it
+  (``Spool.on_publish``, with the group exactly as ``read_group`` returns it
+  and validated the same way: ``encode_group_read``); neither the worker
+  nor the claim parses those files, up to ``limit`` kept at once.
 * :meth:`read` (the trainer's read of a claimed file) returns the parsed
   group only if the file at that path is the very file that was parsed:
   same device, inode, size and modification time (a claim is a rename, which
@@ -138,18 +138,15 @@ class ReadAhead:
         with self._lock:
             return name in self._parsed or name in self._failed
 
-    def offer(self, path: Path, group: TrajectoryGroup) -> None:
-        """``group`` is what ``read_group(path)`` returns, from the process that has just published ``path``
-        (colocated mode: ``Spool.on_publish``): kept as if the worker had parsed it, with the file's identity
-        now, so neither the worker nor the claim parses it. Not kept when ``limit`` parses wait already (the
-        worker reads it later) or the file has left ``ready/`` (claimed meanwhile: the claim reads it)."""
-        try:
-            identity = _Identity.of(os.stat(path))
-        except OSError:
-            return
+    def offer(self, path: Path, written: os.stat_result, group: TrajectoryGroup) -> None:
+        """``group`` is what ``read_group(path)`` will return, from the process about to publish ``path``
+        (colocated mode: ``Spool.on_publish``, before the rename that makes the file visible; ``written``: the
+        written file's stat, which the rename keeps): kept as if the worker had parsed it, so neither the worker
+        nor the claim parses it. Not kept when ``limit`` parses wait already (the worker reads it later) or after
+        :meth:`close`."""
         with self._lock:
-            if len(self._parsed) < self.limit:
-                self._parsed[Path(path).name] = (identity, group)
+            if not self._stop and len(self._parsed) < self.limit:
+                self._parsed[Path(path).name] = (_Identity.of(written), group)
                 self.offered += 1
 
     def read(self, path: Path) -> TrajectoryGroup:

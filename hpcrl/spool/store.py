@@ -121,9 +121,10 @@ class Spool:
         self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
         self._unsynced: set[Path] = set()  # directories with claims or commits not yet made durable (sync)
         self._ready_known: dict[str, SpoolEntry] = {}  # the last listing of ready/, by name (ready)
-        # a reader in this process (colocated mode's read-ahead): handed each published file's path and the group
-        # ``read_group`` would return from it, so that it need not parse what this process has just written
-        self.on_publish: Callable[[Path, TrajectoryGroup], None] | None = None
+        # a reader in this process (colocated mode's read-ahead): handed each file's final path, its identity (the
+        # written file's stat, which the rename keeps) and the group ``read_group`` would return from it, before
+        # the rename makes it visible, so that nothing parses what this process writes (publish)
+        self.on_publish: Callable[[Path, os.stat_result, TrajectoryGroup], None] | None = None
 
     # -- rollout side -----------------------------------------------------
     def publish(self, group: TrajectoryGroup) -> Path:
@@ -131,7 +132,9 @@ class Spool:
 
         The file is built in memory first (``encode_group``: an invalid group
         raises before anything touches the filesystem), then written with one
-        write and fsynced through the same descriptor.
+        write and fsynced through the same descriptor. With ``on_publish`` set,
+        it is handed the group as read back (``encode_group_read``) just before
+        the rename.
         """
         name = file_name(group)
         data, view = encode_group_read(group) if self.on_publish is not None else (encode_group(group), None)
@@ -142,16 +145,26 @@ class Spool:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+                written = os.fstat(f.fileno())
             self.fence.check("spool publish")
+            if view is not None:
+                self._offer(final, written, view)
             _rename_noreplace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(self.ready_dir)
         logger.debug("published %s", name)
-        if view is not None and self.on_publish is not None:
-            self.on_publish(final, view)
         return final
+
+    def _offer(self, final: Path, written: os.stat_result, view: TrajectoryGroup) -> None:
+        """Hand ``view`` to ``on_publish``; its failure costs only the saved parse, never the publish. (If the
+        rename then fails, the offer names a file that is not this one and is never matched.)"""
+        try:
+            if self.on_publish is not None:
+                self.on_publish(final, written, view)
+        except Exception:
+            logger.exception("handing %s to this process's reader failed; it will read the file", final.name)
 
     def clean_tmp(self, older_than_s: float = 3600.0) -> int:
         """Remove temporary files left by crashed writers (spool/tmp/ and the reason temporaries in

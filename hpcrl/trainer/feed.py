@@ -81,7 +81,7 @@ class BatchFeed:
         self._read = self.ahead.read if self.ahead is not None else read_group
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
         self.spool_tail_s = 0.0  # of it, the pass that completed the batch (the rest overlapped the rollouts' work)
-        self._ahead_seen = (0.0, 0, 0)  # the read-ahead's (busy_s, hits, misses) at the last step_report
+        self._ahead_seen = (0.0, 0, 0, 0)  # the read-ahead's (busy_s, hits, misses, offered) at the last step_report
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.timeout_s, self.poll_s, self.relook_s = timeout_s, poll_s, relook_s
         self._pending: list[SpoolEntry] = []
@@ -209,13 +209,15 @@ class BatchFeed:
         of it, the pass that completed the batch, the rest having happened while the batch waited for groups not
         generated yet; with the read-ahead, ``read_ahead``: the worker's seconds since the last report, off the
         loop) and counts
-        (``spool/read_ahead_hits``, ``spool/read_ahead_misses``: files handed over / read at the claim)."""
+        (``spool/read_ahead_hits``, ``spool/read_ahead_misses``: files handed over / read at the claim;
+        ``spool/read_ahead_offered``: groups handed over by their writer in this process, colocated mode)."""
         if self.ahead is None:
             return {"spool": self.spool_s, "spool_tail": self.spool_tail_s}, {}
-        now = (self.ahead.busy_s, self.ahead.hits, self.ahead.misses)
+        now = (self.ahead.busy_s, self.ahead.hits, self.ahead.misses, self.ahead.offered)
         last, self._ahead_seen = self._ahead_seen, now
         return ({"spool": self.spool_s, "spool_tail": self.spool_tail_s, "read_ahead": now[0] - last[0]},
-                {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2]})
+                {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2],
+                 "spool/read_ahead_offered": now[3] - last[3]})
 
     def close(self) -> None:
         """Stop the read-ahead's worker (the trainer's exit)."""
