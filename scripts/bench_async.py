@@ -129,7 +129,9 @@ def analyse(run_dir: Path) -> dict:
            # groups left out of the loss (all rewards equal) and the step's training time: the simulator's inputs
            "uniform_share": (sum(r.get("groups/uniform", 0) for r in steps)
                              / (len(steps) * load_saved(run_dir).admission.batch_size)),
-           "update_s_per_step": tot["update"] / len(steps)}
+           "update_s_per_step": tot["update"] / len(steps),
+           # groups set aside because they went past eta, their tickets generated again (the trainer's count)
+           "stale_set_asides": steps[-1].get("groups/dropped_stale", 0)}
     stats_file = run_dir / "logs" / "rollout-0.stats.json"
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())

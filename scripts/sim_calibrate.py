@@ -374,6 +374,9 @@ def check(costs_file: Path, results_file: Path, out: Path | None, fit: bool = Tr
                       "simulated_samples_per_s": float(np.mean([r.samples_per_s for r in sims])),
                       "simulated_trainer_busy": float(np.mean([r.trainer_busy for r in sims])),
                       "simulated_rollout_busy": float(np.mean([r.rollout_busy for r in sims])),
+                      # groups set aside as stale and generated again, simulated / measured (None: not measured)
+                      "stale_set_asides": (float(np.mean([r.dropped_groups for r in sims])),
+                                           run.get("stale_set_asides")),
                       # seconds per trainer step in each phase, simulated and (where the run has its split) measured
                       "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
                                               v / run["steps"]) for k, v in phases_of(run).items()}}
@@ -387,7 +390,9 @@ def check(costs_file: Path, results_file: Path, out: Path | None, fit: bool = Tr
               f"({r['measured_samples_per_s']:.0f} vs {r['simulated_samples_per_s']:.0f})")
         if r["phases_per_step"]:  # ms per step, simulated / measured
             print("    " + ", ".join(f"{k.split('/')[1]} {1e3 * a:.0f}/{1e3 * b:.0f}"
-                                     for k, (a, b) in r["phases_per_step"].items()))
+                                     for k, (a, b) in r["phases_per_step"].items())
+                  + (f"; stale set-asides {r['stale_set_asides'][0]:.0f}/{r['stale_set_asides'][1]}"
+                     if r["stale_set_asides"][1] is not None else ""))
     worst = max(abs(r["error"]) for r in rows.values())
     print(f"largest ratio error {100 * worst:.1f}% (target 10%)")
     if out:
