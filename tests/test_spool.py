@@ -488,6 +488,33 @@ def test_bench_spool_measures_every_operation(tmp_path: Path) -> None:
     assert "trainer step: claim+load+mark_trained" in proc.stdout
 
 
+def test_a_commit_of_everything_claimed_renames_the_folder(tmp_path: Path, monkeypatch) -> None:
+    """A step's commit is one directory rename when claimed/ holds exactly its files (the trainer's every step):
+    claimed/ becomes trained/step_N/ and a new claimed/ is made; anything else is moved file by file."""
+    import hpcrl.spool.store as store
+
+    sp = Spool(tmp_path)
+    for t in range(5):
+        sp.publish(make_group(ticket=t))
+    c = sp.claim(sp.ready()[:3])
+    folder = os.stat(sp.claimed_dir).st_ino
+    synced: list[Path] = []
+    monkeypatch.setattr(store, "fsync_dir", synced.append)
+    sp.mark_trained(c, step=2)
+    step2 = sp.trained_dir / "step_000002"
+    assert os.stat(step2).st_ino == folder, "claimed/ itself became the step's folder"
+    assert sorted(os.listdir(step2)) == sorted(e.name for e in c) and os.listdir(sp.claimed_dir) == []
+    assert sp.sync() == 5 and set(synced) == {step2, sp.claimed_dir, sp.trained_dir, sp.ready_dir, tmp_path}
+    assert synced[0] == step2 and synced[-1] == tmp_path, "the claims' folder first, the spool root last"
+    # claimed/ holds more than the commit, or the step's folder exists: file by file, nothing else moves
+    c = sp.claim(sp.ready())
+    sp.mark_trained(c[:1], step=3)
+    assert os.stat(sp.claimed_dir).st_ino != os.stat(sp.trained_dir / "step_000003").st_ino
+    sp.mark_trained(c[1:], step=2)
+    assert {k: [e.ticket for e in v] for k, v in sp.trained().items()} == {2: [0, 1, 2, 4], 3: [3]}
+    assert sp.claimed() == [] and sp.ready() == []
+
+
 def test_claims_and_commits_are_renames_until_sync_makes_them_durable(tmp_path: Path, monkeypatch) -> None:
     """Per step the trainer only renames: resume releases what is claimed or trained after its checkpoint, so only
     a checkpoint needs the moves durable, and sync (called before it) fsyncs each directory they touched once."""

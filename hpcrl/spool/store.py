@@ -15,7 +15,8 @@ sees complete files. The trainer selects from ``ready/`` by name only (the
 version range is in the name), takes files by renaming them into
 ``claimed/`` (``claim``; a file that vanished is skipped), loads them
 (``load``; an invalid file goes to ``quarantine/`` and ``None`` is returned),
-and after the step moves them to ``trained/step_N/`` (``mark_trained``) or to
+and after the step moves them to ``trained/step_N/`` (``mark_trained``: one
+rename of ``claimed/`` itself when it holds just them) or to
 ``dropped/`` with a reason (``drop``). On resume, files still in ``claimed/``
 that the checkpoint does not cover go back to ``ready/`` (``release_claimed``).
 
@@ -53,7 +54,6 @@ the data of old dropped files and keeps their reason records.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -286,7 +286,7 @@ class Spool:
             except FileNotFoundError:
                 logger.info("spool file %s vanished before claim; skipped", e.name)
                 continue
-            taken.append(dataclasses.replace(e, path=dst))
+            taken.append(SpoolEntry(dst, e.ticket, e.min_version, e.max_version, e.writer))
         if taken:
             self._unsynced |= {self.claimed_dir, self.ready_dir}
         return taken
@@ -315,9 +315,15 @@ class Spool:
 
     def mark_trained(self, entries: list[SpoolEntry], step: int) -> None:
         """Move ``entries`` into trained/step_{step:06d}/ (idempotent for already moved files). Durable after the
-        next :meth:`sync`: resume releases what is trained after its checkpoint, so only a checkpoint needs it."""
+        next :meth:`sync`: resume releases what is trained after its checkpoint, so only a checkpoint needs it.
+
+        When claimed/ holds exactly ``entries`` and the step has no folder yet (every step of a running trainer),
+        claimed/ itself becomes the step's folder: one rename of the directory and a new claimed/, instead of a
+        rename per file. Otherwise each file is moved."""
         self.fence.check("spool commit")
         d = self.trained_dir / f"step_{step:06d}"
+        if entries and self._commit_folder(entries, d):
+            return
         d.mkdir(exist_ok=True)
         for e in entries:
             dst = d / e.name
@@ -328,6 +334,23 @@ class Spool:
                     raise
                 # already moved by an earlier, interrupted call
         self._unsynced |= {d, self.claimed_dir, self.trained_dir}  # the step folder's own entry too, made or found
+
+    def _commit_folder(self, entries: list[SpoolEntry], step_dir: Path) -> bool:
+        """Rename claimed/ to ``step_dir`` if it holds exactly ``entries`` (one listing) and ``step_dir`` does not
+        exist; True if it did. Only the trainer claims, so nothing enters claimed/ in between. The files' names
+        in the renamed folder are durable when :meth:`sync` fsyncs ``step_dir`` (the same directory as the
+        claimed/ they were claimed into); the spool root's and trained/'s entries are synced with it."""
+        if any(e.path.parent != self.claimed_dir for e in entries):
+            return False
+        try:
+            if sorted(os.listdir(self.claimed_dir)) != sorted(e.name for e in entries):
+                return False
+            rename_noreplace(self.claimed_dir, step_dir)
+        except (FileNotFoundError, FileExistsError):
+            return False
+        self.claimed_dir.mkdir(exist_ok=True)
+        self._unsynced |= {step_dir, self.claimed_dir, self.trained_dir, self.root}
+        return True
 
     def sync(self) -> int:
         """Make every move since the last sync durable (one fsync per directory the claims, commits and moves
