@@ -65,15 +65,15 @@ def _run(run_dir: Path) -> None:
 
     seen = [worker.stats.groups_published]
 
-    def wait() -> bool:  # generating the batch is not hanging: the heartbeat goes on
+    def wait() -> int:  # generating the batch is not hanging: the heartbeat goes on
         heartbeat.beat()
         if fence.orphaned():
             raise Preempted("the supervisor is gone")
         if not worker.pump():
             time.sleep(cfg.rollout.poll_interval_s)
         published = worker.stats.groups_published  # counted by the writer thread once a group is in ready/
-        news, seen[0] = published != seen[0], published
-        return news  # no news: the feed need not look at the spool after this engine step
+        news, seen[0] = published - seen[0], published
+        return news  # the feed looks at the spool once enough arrived to complete its batch
 
     checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
     try:

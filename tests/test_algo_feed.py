@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -116,3 +117,28 @@ def test_a_wait_without_news_spares_the_listing_but_not_for_longer_than_relook_s
     start = time.monotonic()
     assert [g.ticket for g in feed.next_batch(1, wait_with_news)] == [1]
     assert len(listings) == 2 and time.monotonic() - start < 0.3
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_wait_that_counts_arrivals_has_the_spool_looked_at_once_they_can_complete_the_batch(
+        tmp_path, monkeypatch, dynamic: bool) -> None:
+    """The colocated loop says how many groups it published: without a filter the feed looks at the spool when
+    enough arrived to complete the batch (a look before that would only cost its listing and claims, in the same
+    thread as the generation), with one (dynamic sampling) at every arrival, so a rejected group frees its slot."""
+    spool = Spool(tmp_path / "spool")
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=3, max_staleness=0), 100)
+    keep = B.informative_filter(AlgoConfig(dynamic_sampling=True)) if dynamic else None
+    feed = BatchFeed(spool, ledger, batch_size=3, max_staleness=0, timeout_s=5, relook_s=60.0, keep=keep)
+    listings = []
+    real_ready = spool.ready
+    monkeypatch.setattr(spool, "ready", lambda: listings.append(len(os.listdir(spool.ready_dir))) or real_ready())
+
+    def wait() -> int:  # one informative group per call
+        ticket = ledger.try_admit(0, "w")
+        if ticket is None:
+            return 0
+        spool.publish(group(ticket.index, [0.0, 1.0], ledger=ledger))
+        return 1
+
+    assert [g.ticket for g in feed.next_batch(0, wait)] == [0, 1, 2]
+    assert listings == ([0, 1, 1, 1] if dynamic else [0, 3])

@@ -43,7 +43,10 @@ batch needs, a pass claims only the oldest ones the read-ahead has parsed
 (they still leave ``ready/`` once parsed, so a group dropped at its
 claim frees its admission slot within a look or two); the pass that can complete the
 batch holds the read-ahead and claims all it needs, reading what was not
-parsed yet. ``spool_s`` is the
+parsed yet. A ``wait`` that counts the groups published (the colocated loop,
+whose generation runs in this thread) has the spool looked at only once
+enough arrived to complete the batch (see :meth:`BatchFeed.next_batch`).
+``spool_s`` is the
 time the last :meth:`BatchFeed.next_batch` spent on the spool and the ledger
 (claims, reads, checks; its waits for rollouts left out); :meth:`BatchFeed.step_report`
 adds what the read-ahead did meanwhile.
@@ -150,20 +153,27 @@ class BatchFeed:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         log.warning("set aside ticket %d (%s)", entry.ticket, reason)
 
-    def next_batch(self, version: int, wait: Callable[[], bool | None] | None = None) -> list[TrajectoryGroup]:
-        """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep). A ``wait``
-        that returns False says nothing was published since its last call as far as it knows (the colocated loop
-        publishes its own groups): the spool is then looked at again only every ``relook_s``."""
+    def next_batch(self, version: int, wait: Callable[[], int | None] | None = None) -> list[TrajectoryGroup]:
+        """B valid groups trainable at ``version``; ``wait`` is called while blocked (default: sleep). ``wait`` may
+        return how many groups were published since its last call as far as it knows (the colocated loop publishes
+        its own): the spool is then looked at again once that many arrived as could complete the batch (with
+        ``keep``, at every arrival: a group it rejects frees its admission slot at its claim), and at the latest
+        every ``relook_s``. A ``wait`` returning None (or no ``wait``) has the spool looked at after each call."""
         groups: list[TrajectoryGroup] = []
         entries: list[SpoolEntry] = []
         start = time.monotonic()
         deadline, waited, news, look_at, last_pass = start + self.timeout_s, 0.0, None, 0.0, 0.0
+        arrived, short = 0, 1  # groups published since the last pass, and how many it takes to complete the batch
         self._batch = set()
         while len(groups) < self.batch_size:
-            if news is not False or time.monotonic() >= look_at:
+            if news is None or arrived >= short or time.monotonic() >= look_at:
                 look_at = t_pass = time.monotonic()
                 look_at += self.relook_s
-                self._take(self._to_take(self._eligible(version), self.batch_size - len(groups)), groups, entries)
+                eligible = self._eligible(version)
+                taken = self._to_take(eligible, self.batch_size - len(groups))
+                self._take(taken, groups, entries)
+                arrived, left = 0, len(eligible) - len(taken)
+                short = 1 if self.keep is not None else max(self.batch_size - len(groups) - left, 1)
                 if self.ahead is not None and len(groups) < self.batch_size:
                     self.ahead.kick()  # still waiting (rejected groups, or too few yet): it reads on meanwhile
                 last_pass = time.monotonic() - t_pass
@@ -174,6 +184,7 @@ class BatchFeed:
                 t = time.monotonic()
                 news = wait() if wait else time.sleep(self.poll_s)
                 waited += time.monotonic() - t
+                arrived += news or 0
         self._pending = entries
         if self.ahead is not None:
             self.ahead.kick()  # the next batch's files are read while this one trains
@@ -226,7 +237,7 @@ class BatchFeed:
 
     def _take(self, fresh: list[SpoolEntry], groups: list[TrajectoryGroup], entries: list[SpoolEntry]) -> None:
         """Claim ``fresh`` and add the valid, kept groups to the batch; quarantine or drop the rest."""
-        for entry in self.spool.claim(fresh):
+        for entry in self.spool.claim(fresh) if fresh else ():
             group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
             if group is None:
                 if self.owns_outcome(entry):  # asked only now: it reads the ledger, not the file

@@ -72,7 +72,7 @@ _PREEMPTED, _FENCED = "preempted", "fenced"
 
 
 def train_loop(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, feed: BatchFeed | None,
-               reporter: Reporter | None, publish: Publish, wait: Callable[[], bool | None] | None = None,
+               reporter: Reporter | None, publish: Publish, wait: Callable[[], int | None] | None = None,
                heartbeat: Heartbeat | None = None, checkpointer: Checkpointer | None = None,
                start_version: int = 0, preempt: PreemptionFlag | None = None,
                fence: Fence | NoFence | None = None) -> None:
@@ -127,7 +127,7 @@ def _rank0_publishes(state: Mapping[str, torch.Tensor], version: int) -> None:
     raise RuntimeError("only the trainer's rank 0 publishes weights")
 
 
-def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Callable[[], bool | None] | None,
+def take_batch(feed: BatchFeed | None, ctx: DistContext, version: int, wait: Callable[[], int | None] | None,
                heartbeat: Heartbeat | None = None) -> list[TrajectoryGroup]:
     """Rank 0 takes the batch and shares it; a preemption while waiting reaches every rank. The other ranks beat
     ``heartbeat`` while they wait for it (as long as rank 0 waits for rollouts)."""
