@@ -121,6 +121,8 @@ class Spool:
         self._dropped_data: list[Path] | None = None  # dropped/ files with data, oldest first (prune_set_aside)
         self._unsynced: set[Path] = set()  # directories with claims or commits not yet made durable (sync)
         self._ready_known: dict[str, SpoolEntry] = {}  # the last listing of ready/, by name (ready)
+        self._ready_names: list[str] | None = None  # ... its names as listed, and its entries sorted
+        self._ready_sorted: list[SpoolEntry] = []
         # a reader in this process (colocated mode's read-ahead): handed each file's final path, its identity (the
         # written file's stat, which the rename keeps) and the group ``read_group`` would return from it, before
         # the rename makes it visible, so that nothing parses what this process writes (publish)
@@ -211,6 +213,10 @@ class Spool:
             names = os.listdir(directory)
         except FileNotFoundError:
             return []
+        return Spool._entries(directory, names, known)
+
+    @staticmethod
+    def _entries(directory: Path, names: list[str], known: dict[str, SpoolEntry] | None) -> list[SpoolEntry]:
         seen, listed = known or {}, {}
         for name in names:
             entry = seen.get(name)
@@ -227,9 +233,15 @@ class Spool:
 
     def ready(self) -> list[SpoolEntry]:
         """Published files, from names only, sorted by (min_version, ticket). The trainer lists ready/ on every
-        look while it waits: entries of names listed before are reused, so a look costs the listing and what
-        arrived."""
-        return self._list(self.ready_dir, self._ready_known)
+        look while it waits: entries of names listed before are reused, and a listing with the names of the last
+        one, in the same order, returns its sorted entries again; so a look costs the listing and what arrived."""
+        try:
+            names = os.listdir(self.ready_dir)
+        except FileNotFoundError:
+            return []
+        if names != self._ready_names:
+            self._ready_names, self._ready_sorted = names, self._entries(self.ready_dir, names, self._ready_known)
+        return list(self._ready_sorted)
 
     def claimed(self) -> list[SpoolEntry]:
         """Files the trainer has claimed and not yet committed or released."""
@@ -336,12 +348,10 @@ class Spool:
         self._unsynced |= {d, self.claimed_dir, self.trained_dir}  # the step folder's own entry too, made or found
 
     def _commit_folder(self, entries: list[SpoolEntry], step_dir: Path) -> bool:
-        """Rename claimed/ to ``step_dir`` if it holds exactly ``entries`` (one listing) and ``step_dir`` does not
-        exist; True if it did. Only the trainer claims, so nothing enters claimed/ in between. The files' names
+        """Rename claimed/ to ``step_dir`` if it holds exactly the names of ``entries`` (one listing; names are unique
+        across the spool) and ``step_dir`` does not exist; True if it did. Only the trainer claims, so nothing enters claimed/ in between. The files' names
         in the renamed folder are durable when :meth:`sync` fsyncs ``step_dir`` (the same directory as the
         claimed/ they were claimed into); the spool root's and trained/'s entries are synced with it."""
-        if any(e.path.parent != self.claimed_dir for e in entries):
-            return False
         try:
             if sorted(os.listdir(self.claimed_dir)) != sorted(e.name for e in entries):
                 return False
