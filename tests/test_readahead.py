@@ -302,12 +302,12 @@ def test_while_the_batch_waits_the_feed_claims_what_the_worker_has_parsed_and_re
     feed = BatchFeed(spool, ledger, batch_size=3, max_staleness=4, timeout_s=10, read_ahead=True)
     arrivals = list(groups)
 
-    def wait() -> bool:  # the next group is generated only once the last one was claimed
+    def wait() -> None:  # no count of arrivals (a disaggregated trainer's wait): the feed looks after each call
+        # the next group is generated only once the last one was claimed
         if arrivals and not spool.ready():
             spool.publish(arrivals.pop(0))
-            return True
+            return
         time.sleep(0.002)
-        return False
 
     try:
         feed.relook_s = 0.005
@@ -330,13 +330,13 @@ def test_a_corrupt_file_arriving_while_the_batch_waits_is_quarantined_then_not_a
     arrivals = list(groups[1:])
     seen_quarantined: list[bool] = []
 
-    def wait() -> bool:  # the good groups come only once the corrupt one is out of ready/
+    def wait() -> None:  # no count of arrivals: the feed looks after each call
+        # the good groups come only once the corrupt one is out of ready/
         if arrivals and not spool.ready():
             seen_quarantined.append(bool(spool.quarantined()))
             spool.publish(arrivals.pop(0))
-            return True
+            return
         time.sleep(0.002)
-        return False
 
     try:
         assert [g.ticket for g in feed.next_batch(0, wait)] == [1, 2]

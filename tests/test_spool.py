@@ -220,16 +220,14 @@ def test_listing_ready_again_reuses_known_entries_and_follows_arrivals_and_depar
     assert again[1] is first[1], "ticket 3's entry is the one built before"
     assert again[0].path == sp.ready_dir / again[0].name and again[0].ticket == 2
     assert [e.ticket for e in Spool(tmp_path / "spool").ready()] == [2, 3], "another Spool's first listing"
-    parses = []
-    real_parse = store.parse_name
-    store.parse_name = lambda name: parses.append(name) or real_parse(name)
-    try:
-        unchanged = sp.ready()
-    finally:
-        store.parse_name = real_parse
-    assert unchanged == again and unchanged is not again and parses == [], "the same names: the same sorted entries"
+    rebuilt = []
+    sp._entries = lambda *args: rebuilt.append(args[1]) or Spool._entries(*args)
+    unchanged = sp.ready()
+    assert unchanged == again and unchanged is not again and rebuilt == [], "the same names: the same sorted entries"
     unchanged.pop()  # the caller's copy
-    assert [e.ticket for e in sp.ready()] == [2, 3]
+    assert [e.ticket for e in sp.ready()] == [2, 3] and rebuilt == []
+    sp.publish(make_group(ticket=0))
+    assert [e.ticket for e in sp.ready()] == [0, 2, 3] and len(rebuilt) == 1, "an arrival: listed entries again"
 
 
 def test_publish_writes_the_encoded_file_and_it_is_durable_before_the_rename(tmp_path: Path, monkeypatch) -> None:

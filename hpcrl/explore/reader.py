@@ -199,7 +199,11 @@ class RunView:
         if hit is not None and hit[0] == mtime:
             return hit[1]
         rows = []
-        for name in os.listdir(directory):
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:  # claimed/ between a commit's rename of it and its new claimed/
+            return []
+        for name in names:
             info = parse_name(name)
             if info is not None:
                 rows.append({"path": str((directory / name).relative_to(self.spool)), "ticket": info.ticket,

@@ -349,14 +349,17 @@ class Spool:
 
     def _commit_folder(self, entries: list[SpoolEntry], step_dir: Path) -> bool:
         """Rename claimed/ to ``step_dir`` if it holds exactly the names of ``entries`` (one listing; names are unique
-        across the spool) and ``step_dir`` does not exist; True if it did. Only the trainer claims, so nothing enters claimed/ in between. The files' names
-        in the renamed folder are durable when :meth:`sync` fsyncs ``step_dir`` (the same directory as the
-        claimed/ they were claimed into); the spool root's and trained/'s entries are synced with it."""
+        across the spool) and ``step_dir`` does not exist; True if it did, False (nothing moved) otherwise. Only
+        this trainer claims: the fence, checked again just before the rename, keeps a newer owner's claims out
+        of it but for that syscall's own window. The files' names in the renamed folder are durable when
+        :meth:`sync` fsyncs ``step_dir`` (the directory they were claimed into); the spool root's and trained/'s
+        entries are synced with it."""
         try:
             if sorted(os.listdir(self.claimed_dir)) != sorted(e.name for e in entries):
                 return False
+            self.fence.check("spool commit")
             rename_noreplace(self.claimed_dir, step_dir)
-        except (FileNotFoundError, FileExistsError):
+        except OSError:  # gone, taken, or a filesystem that will not move the folder: file by file
             return False
         self.claimed_dir.mkdir(exist_ok=True)
         self._unsynced |= {step_dir, self.claimed_dir, self.trained_dir, self.root}

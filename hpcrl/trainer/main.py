@@ -15,9 +15,9 @@ The whole schedule (one iteration = one policy version)::
     reporter.step(v + 1, ...)               # rank 0: metrics.jsonl, eval when due
 
 Colocated mode runs this same loop in the rollout's process, with ``wait``
-pumping the rollout worker (and saying whether it published a group, so
-the feed looks at the spool only then) and ``publish`` handing weights to
-its engine.
+pumping the rollout worker (and saying how many groups it published, so
+the feed looks at the spool once they can complete the batch) and
+``publish`` handing weights to its engine.
 
 Ownership (:mod:`hpcrl.runtime.owner`): the process is fenced to the owner
 epoch its supervisor started it with. Before each publish and commit rank 0
