@@ -90,3 +90,41 @@ def test_the_wheel_bundle_fits_and_installs_offline_into_a_fresh_python312(tmp_p
                          env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}"})
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.split() == ["(3,", "12)", "0.16.1", "cpu", "False"]
+
+
+def test_the_decode_probe_times_every_variant_side_by_side_and_profiles_the_engine(tmp_path) -> None:
+    out = tmp_path / "probe.txt"
+    proc = subprocess.run([sys.executable, "scripts/device_decode_probe.py", "--size", "tiny", "--new-tokens", "4",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    rows = [line.split() for line in report.splitlines() if line.startswith("batch")]
+    variants = ["hf", "engine", "engine_hf_sample", "engine_cache_position", "engine_no_position_ids"]
+    assert [(r[1], r[2]) for r in rows] == [(b, v) for b in ("1", "64") for _ in range(2) for v in variants]
+    assert all(float(r[3]) > 0 for r in rows)
+    assert "## torch.profiler, engine" in report and "aten::mm" in report and "## cProfile, engine" in report
+
+
+def test_the_decode_probe_changes_only_the_decode_calls() -> None:
+    sys.path.insert(0, str(ROOT))
+    from scripts.device_decode_probe import wrap_forward
+
+    import torch
+    from transformers import DynamicCache
+
+    class Model:
+        def forward(self, **kw):
+            return kw
+
+    model = Model()
+    cache = DynamicCache()
+    undo = wrap_forward(model, cache_position=True, position_ids=False)
+    step = model.forward(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=torch.ones(2, 1),
+                         past_key_values=cache)
+    assert "position_ids" not in step and step["cache_position"].tolist() == [0]
+    prefill = model.forward(input_ids=torch.zeros(2, 5, dtype=torch.long), position_ids=torch.ones(2, 5),
+                            past_key_values=cache)
+    assert "position_ids" in prefill and "cache_position" not in prefill  # a prefill goes through unchanged
+    undo()
+    assert "position_ids" in model.forward(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=1,
+                                           past_key_values=cache)
