@@ -30,8 +30,7 @@ publishing weights, the spool + admission overhead (the trainer's own
 time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
 its waits for rollouts left out; ``read_ahead_share`` is the read-ahead
 worker's time, off the loop but on the same cores, with the share of reads it
-served, and ``set_aside_share`` the set-aside worker's, stale files moved
-aside; ``spool_read_share`` is what re-reading every trained file afterwards
+served; ``spool_read_share`` is what re-reading every trained file afterwards
 costs, the reads alone), and the staleness
 histogram of the trained tokens, and where the generating process's time goes
 (decode, prefill of admitted rows, cache rebuild after new weights, reward,
@@ -113,7 +112,7 @@ def analyse(run_dir: Path) -> dict:
     steps = [r for r in records if "time/step_s" in r]
     loop = sum(r["time/step_s"] for r in steps)
     tot = {k: sum(r.get(f"time/{k}_s", 0.0) for r in steps)
-           for k in ("wait", "update", "publish", "commit", "spool", "spool_tail", "read_ahead", "set_aside")}
+           for k in ("wait", "update", "publish", "commit", "spool", "spool_tail", "read_ahead")}
     hits, misses = (sum(r.get(f"spool/read_ahead_{k}", 0) for r in steps) for k in ("hits", "misses"))
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
     hist, read_s, n_files = spool_scan(run_dir)
@@ -123,7 +122,6 @@ def analyse(run_dir: Path) -> dict:
            "commit_share": tot["commit"] / loop, "spool_share": tot["spool"] / loop,
            "spool_tail_share": tot["spool_tail"] / loop,  # the part of spool_share after the batch's last group
            "read_ahead_share": tot["read_ahead"] / loop, "read_ahead_hit_rate": hits / max(hits + misses, 1),
-           "set_aside_share": tot["set_aside"] / loop,  # stale files set aside by a worker, off the loop
            "spool_read_share": read_s / loop, "spool_files": n_files,
            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
            "final_accuracy": (read_evals(run_dir / "logs") or [{}])[-1].get("eval/accuracy"),
@@ -221,8 +219,7 @@ def main() -> None:
                   f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
                   f"  spool+admission {100 * r['spool_admission_share']:.1f}% (after the batch's last group "
                   f"{100 * (r['spool_tail_share'] + r['commit_share']):.1f}%; read-ahead off the loop "
-                  f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads; "
-                  f"set-asides {100 * r['set_aside_share']:.1f}%)"
+                  f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
                   f"  wall {r['wall_s']:.0f}s", flush=True)
             split = r.get("rollout_time_split")
             if split:

@@ -72,8 +72,8 @@ class TrainerConfig:
     megatron: MegatronSettings = field(default_factory=MegatronSettings)  # engine=megatron: its parallel layout
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # process-group backend; auto picks by device
     batch_timeout_s: float = 600.0  # fail if no batch arrives for this long
-    # parse the ready spool files in a background thread during each step (hpcrl.spool.readahead), and set stale
-    # files aside in another (hpcrl.trainer.setaside); claims and checks still happen when the next step takes its batch
+    # parse the ready spool files in a background thread during each step (hpcrl.spool.readahead); claims and
+    # checks still happen when the next step takes its batch
     read_ahead: bool = True
     # retention, applied after every checkpoint: the data of the newest this many set-aside (stale, lost,
     # uniform) spool files is kept for inspection, older ones keep only their reason record

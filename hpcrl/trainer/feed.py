@@ -5,10 +5,7 @@ Ordering rules (rank 0 only):
 * A ready file whose oldest token (head version, in its name) is more than
   ``max_staleness`` versions behind the current trainer version is never
   trained: it is set aside in ``spool/dropped/`` (reason ``stale``) and its
-  ticket is reissued, so the prompt group is generated again, fresh. With
-  the read-ahead on, a worker thread does that off the loop
-  (:mod:`hpcrl.trainer.setaside`, under the lock the feed's passes, commits
-  and syncs hold); the listing skips the files it has queued.
+  ticket is reissued, so the prompt group is generated again, fresh.
 * Eligible files are taken oldest first (by head version, then ticket), by
   rename into ``claimed/``; a file that fails validation is quarantined by
   the spool and recorded as dropped in the ledger; taking continues until B
@@ -58,7 +55,6 @@ adds what the read-ahead did meanwhile.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -66,7 +62,6 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.spool.format import TrajectoryGroup, read_group
 from hpcrl.spool.readahead import ReadAhead
 from hpcrl.spool.store import Spool, SpoolEntry
-from hpcrl.trainer.setaside import SetAsides
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +82,6 @@ class BatchFeed:
         # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale)
         self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
         self._read = self.ahead.read if self.ahead is not None else read_group
-        # with the read-ahead, stale files are set aside off the loop too, by a worker under the feed's lock
-        self._lock = threading.Lock()
-        self.asides = SetAsides(self.regenerate, self._lock) if read_ahead else None
-        self._asides_seen = 0.0  # the set-aside worker's busy_s at the last step_report
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
         self.spool_tail_s = 0.0  # of it, the pass that completed the batch (the rest overlapped the rollouts' work)
         self._ahead_seen = (0.0, 0, 0, 0)  # the read-ahead's (busy_s, hits, misses, offered) at the last step_report
@@ -173,17 +164,14 @@ class BatchFeed:
         start = time.monotonic()
         deadline, waited, news, look_at, last_pass = start + self.timeout_s, 0.0, None, 0.0, 0.0
         arrived, short = 0, 1  # groups published since the last pass, and how many it takes to complete the batch
-        if self.asides is not None:
-            self.asides.check()  # a set-aside that failed (a lost fence, say) ends the loop here
         self._batch = set()
         while len(groups) < self.batch_size:
             if news is None or arrived >= short or time.monotonic() >= look_at:
                 look_at = t_pass = time.monotonic()
                 look_at += self.relook_s
-                with self._lock:
-                    eligible = self._eligible(version)
-                    taken = self._to_take(eligible, self.batch_size - len(groups))
-                    self._take(taken, groups, entries)
+                eligible = self._eligible(version)
+                taken = self._to_take(eligible, self.batch_size - len(groups))
+                self._take(taken, groups, entries)
                 arrived, left = 0, len(eligible) - len(taken)
                 short = 1 if self.keep is not None else max(self.batch_size - len(groups) - left, 1)
                 if self.ahead is not None and len(groups) < self.batch_size:
@@ -238,16 +226,12 @@ class BatchFeed:
             return {"spool": self.spool_s, "spool_tail": self.spool_tail_s}, {}
         now = (self.ahead.busy_s, self.ahead.hits, self.ahead.misses, self.ahead.offered)
         last, self._ahead_seen = self._ahead_seen, now
-        asides, self._asides_seen = self.asides.busy_s - self._asides_seen, self.asides.busy_s
-        return ({"spool": self.spool_s, "spool_tail": self.spool_tail_s, "read_ahead": now[0] - last[0],
-                 "set_aside": asides},
+        return ({"spool": self.spool_s, "spool_tail": self.spool_tail_s, "read_ahead": now[0] - last[0]},
                 {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2],
                  "spool/read_ahead_offered": now[3] - last[3]})
 
     def close(self) -> None:
-        """Stop the set-aside and read-ahead workers (the trainer's exit; what is queued is finished first)."""
-        if self.asides is not None:
-            self.asides.close()
+        """Stop the read-ahead's worker (the trainer's exit)."""
         if self.ahead is not None:
             self.ahead.close()
 
@@ -275,15 +259,12 @@ class BatchFeed:
 
     def _eligible(self, version: int) -> list[SpoolEntry]:
         out = []
-        set_aside = self.regenerate if self.asides is None else self.asides.put
         for entry in self.spool.ready():
-            if self.asides is not None and self.asides.pending(entry.name):
-                continue  # being set aside by the worker
             if entry.max_version > version:  # from a policy lost in a trainer restart: generate it again
-                set_aside(entry, "lost_policy", lost_policy_reason(entry, version))
+                self.regenerate(entry, "lost_policy", lost_policy_reason(entry, version))
             elif entry.min_version < version - self.max_staleness:
-                set_aside(entry, "stale", f"stale: head version {entry.min_version} < {version} - "
-                                          f"{self.max_staleness}; regenerated")
+                self.regenerate(entry, "stale", f"stale: head version {entry.min_version} < {version} - "
+                                                f"{self.max_staleness}; regenerated")
             else:
                 out.append(entry)
         return out
@@ -292,21 +273,15 @@ class BatchFeed:
         """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues. Its cost
         follows what changed since the last checkpoint, not the run's length."""
         finished = lambda n: n in self.trained or self.ledger.is_dropped(n)  # noqa: E731
-        with self._lock:
-            self.ledger.check_drop_count()
-            return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
-                    "reissues_compacted": self.ledger.compact_reissues(finished)}
+        self.ledger.check_drop_count()
+        return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
+                "reissues_compacted": self.ledger.compact_reissues(finished)}
 
     def sync(self) -> None:
-        """Make the claims, commits and set-asides so far durable (before a checkpoint covers them, and DONE;
-        :meth:`Spool.sync`): the set-aside worker's queue is finished first."""
-        if self.asides is not None:
-            self.asides.flush()
-        with self._lock:
-            self.spool.sync()
+        """Make the claims and commits so far durable (before a checkpoint covers them; :meth:`Spool.sync`)."""
+        self.spool.sync()
 
     def commit(self, version: int) -> None:
-        with self._lock:
-            self.spool.mark_trained(self._pending, version)
-            self.trained.update(e.ticket for e in self._pending)
-            self._pending, self._batch = [], set()
+        self.spool.mark_trained(self._pending, version)
+        self.trained.update(e.ticket for e in self._pending)
+        self._pending, self._batch = [], set()
