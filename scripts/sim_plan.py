@@ -14,8 +14,10 @@ said), asking what a user asks before submitting:
   (an assumption: requeue, start-up and loading the weights), at eta = 2 and 8; throughput relative to no
   preemption, averaged over ``--seeds`` seeds (failures are random).
 
-Everything here is a prediction from the stated assumptions (``sim_predict.py``'s, plus the restart time); nothing
-was measured on a GPU.
+Everything here is a prediction from the stated assumptions (``sim_predict.py``'s, plus the restart time).
+``--trainer-from SUMMARY`` asks the split question again with this project's own FSDP2 trainer as a device check
+measured it on a GPU (``scripts/device_check.py``'s ``summary.json``: its ``fsdp`` row) instead of AReaL's training
+FLOP/s, and adds the synchronous run on the same GPUs to both: the one input here that was measured on a GPU.
 """
 
 from __future__ import annotations
@@ -25,22 +27,48 @@ import json
 import statistics
 from pathlib import Path
 
-from sim_predict import play
+from sim_predict import TRAIN_FLOPS, play
 
 SHARES = (0.5, 0.625, 0.75, 0.875)  # of the GPUs given to generation (whole nodes at 64 GPUs)
+WIDE = (0.25, 0.375) + SHARES  # with a slower trainer the best split can give training more
 RATES = (0.0, 0.25, 1.0, 4.0)  # preemptions per rollout replica per hour
 
 
-def split(size: str, gpus: int, median: float, steps: int) -> dict:
-    """Trained samples/s and busy fractions for each share of ``gpus`` given to generation (eta = 8)."""
+def split(size: str, gpus: int, median: float, steps: int, train_flops: float | None = None,
+          sync: bool = False, shares: tuple[float, ...] = SHARES) -> dict:
+    """Trained samples/s and busy fractions for each share of ``gpus`` given to generation (eta = 8), with the
+    trainer's FLOP/s per GPU ``train_flops`` (default AReaL's); with ``sync``, the synchronous run (eta = 0) on
+    the same GPUs too."""
     out = {}
-    for share in SHARES:
-        r = play(size, gpus, 8, median, steps, rollout_share=share)
+    for share in shares:
+        r = play(size, gpus, 8, median, steps, rollout_share=share, train_flops=train_flops)
         out[f"{share:g}"] = r
         print(f"{size} x {gpus} GPUs, {r['rollout_gpus']} generating / {r['train_gpus']} training: "
               f"{r['samples_per_s']:.2f} samples/s, trainer busy {r['trainer_busy']:.2f}, "
               f"rollout busy {r['rollout_busy']:.2f}", flush=True)
+    if sync:
+        r = out["sync"] = play(size, gpus, 0, median, steps, train_flops=train_flops)
+        print(f"{size} x {gpus} GPUs, synchronous on all: {r['samples_per_s']:.2f} samples/s", flush=True)
     return out
+
+
+def measured_train_flops(summary: Path) -> tuple[float, dict]:
+    """This project's FSDP2 trainer as a device check measured it (``summary.json``: the ``fsdp`` row, the model
+    step's size and parameters), in the simulator's accounting (``hpcrl.sim.gpu``: ``8 P`` FLOPs per trained token,
+    a forward for the proximal log-probabilities and a forward + backward, plus ``16 L h s/2`` of causal
+    attention): tokens/s times that, per GPU. Returns the FLOP/s and what it came from."""
+    steps = json.loads(Path(summary).read_text())["steps"]
+    if steps.get("fsdp", {}).get("status") != "ok" or steps.get("model", {}).get("status") != "ok":
+        raise SystemExit(f"{summary}: no measured fsdp row (run the device check's fsdp and model steps)")
+    row, model = steps["fsdp"]["result"], steps["model"]["result"]
+    from device_bench import SIZES  # the shape the check built (imports torch: only here)
+
+    shape = SIZES[model["size"]]
+    per_token = 8 * model["params"] + 16 * shape["num_hidden_layers"] * shape["hidden_size"] * row["seq_len"] / 2
+    flops = row["tokens_per_s"] * per_token
+    return flops, {"summary": str(summary), "model": model["size"], "params": model["params"],
+                   "seq_len": row["seq_len"], "tokens_per_s": row["tokens_per_s"], "flops_per_token": per_token,
+                   "train_flops_per_gpu": flops, "areal_train_flops_per_gpu": TRAIN_FLOPS}
 
 
 def preemption(size: str, gpus: int, median: float, steps: int, restart_s: float, seeds: int) -> dict:
@@ -72,11 +100,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--restart-s", type=float, default=300.0, help="a preempted replica's time back (assumption)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--trainer-from", type=Path, help="a device check's summary.json: the split again with this "
+                    "project's trainer as measured there")
+    ap.add_argument("--no-preemption", action="store_true", help="the split question alone")
     args = ap.parse_args()
+    wide = args.trainer_from is not None  # both trainers side by side: every share, and the synchronous run
+    shares = WIDE if wide else SHARES
     out = {"assumptions": {"median_response": args.median, "restart_s": args.restart_s,
                            "rest": "as scripts/sim_predict.py (roofline efficiencies, broadcast, lengths)"},
-           "split": {size: split(size, args.gpus, args.median, args.steps) for size in ("1.5B", "7B")},
-           "preemption": preemption("1.5B", args.preempt_gpus, args.median, args.steps, args.restart_s, args.seeds)}
+           "split": {size: split(size, args.gpus, args.median, args.steps, sync=wide, shares=shares)
+                     for size in ("1.5B", "7B")}}
+    if args.trainer_from:
+        flops, source = measured_train_flops(args.trainer_from)
+        print(f"this project's trainer, measured: {flops / 1e12:.0f} TFLOP/s per GPU in the simulator's accounting "
+              f"({source['tokens_per_s']:.0f} tokens/s at {source['model']}, {source['seq_len']} tokens a sequence)",
+              flush=True)
+        out["measured_trainer"] = source
+        out["split_measured_trainer"] = {size: split(size, args.gpus, args.median, args.steps, flops, sync=True,
+                                                     shares=WIDE) for size in ("1.5B", "7B")}
+    if not args.no_preemption:
+        out["preemption"] = preemption("1.5B", args.preempt_gpus, args.median, args.steps, args.restart_s, args.seeds)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
         print(f"wrote {args.out}")

@@ -56,10 +56,12 @@ def lengths(median: float, sigma: float = 0.8, n: int = 2000, seed: int = 0) -> 
 
 
 def play(size: str, gpus: int, eta: int, median: float, steps: int, scaled: bool | None = None,
-         spread: bool = True, rollout_share: float = 0.75, work: dict | None = None, **assume) -> dict:
+         spread: bool = True, rollout_share: float = 0.75, work: dict | None = None,
+         train_flops: float | None = None, **assume) -> dict:
     """One run of ``gpus`` GPUs (a multiple of 8): eta = 0 alternates on all of them, eta > 0 gives
     ``rollout_share`` of them to generation (AReaL's 3:1 by default) and the rest to training; ``work``: more
-    :class:`Workload` fields (failures, seed). Asynchronous runs are simulated scaled down by a common factor of
+    :class:`Workload` fields (failures, seed); ``train_flops``: the trainer's FLOP/s per GPU (default AReaL's,
+    ``TRAIN_FLOPS``). Asynchronous runs are simulated scaled down by a common factor of
     replicas, trainer and batch; synchronous ones are not (a step waits for the slowest of all replicas, and the
     slowest of 128 is slower than the slowest of 4: scaled down, 1.5B on 128 GPUs came out 10 % faster) and play at
     most 10 steps (no pipeline to fill: every step is alike)."""
@@ -77,7 +79,8 @@ def play(size: str, gpus: int, eta: int, median: float, steps: int, scaled: bool
     scale = math.gcd(replicas, train_gpus, PROMPTS) if scaled else 1  # divides replicas, trainer GPUs and batch
     while replicas // scale < 4 and scale % 2 == 0:  # at least 4 replicas left: groups spread as over a fleet
         scale //= 2
-    costs = gpu_costs(model, H800, train_gpus // scale, mean_seq, train_flops_per_gpu=TRAIN_FLOPS[size], **assume)
+    costs = gpu_costs(model, H800, train_gpus // scale, mean_seq, train_flops_per_gpu=train_flops or TRAIN_FLOPS[size],
+                      **assume)
     rows = kv_rows(model, H800, PROMPT_TOKENS + sum(resp) / len(resp) / 2)  # a row holds half its response, on average
     work = Workload(steps=steps, batch_groups=PROMPTS // scale, group_size=ANSWERS, max_staleness=eta,
                     replicas=replicas // scale, max_batch_rows=max(rows, ANSWERS), prompt_tokens=PROMPT_TOKENS,

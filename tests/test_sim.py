@@ -347,3 +347,32 @@ def test_the_gpu_plans_split_the_gpus_as_asked_and_count_preemptions(monkeypatch
     assert hit["failures"] > 0 and hit["samples_per_s"] < calm["samples_per_s"]
     with pytest.raises(ValueError, match="no GPU to training"):
         play("1.5B", 16, 8, 200, 3, rollout_share=1.0)
+
+
+def test_the_plan_takes_the_trainer_measured_on_a_gpu_in_the_simulators_accounting(tmp_path, monkeypatch) -> None:
+    """scripts/sim_plan.py --trainer-from: a device check's fsdp row becomes FLOP/s per GPU counted as the GPU cost
+    model counts a trained token (8 P + causal attention), and a slower trainer is busier at the same split."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sim_plan
+    import sim_predict
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": {
+        "model": {"status": "ok", "result": {"size": "tiny", "params": 1_000_000}},
+        "fsdp": {"status": "ok", "result": {"tokens_per_s": 2000.0, "seq_len": 64}}}}))
+    flops, source = sim_plan.measured_train_flops(summary)
+    # tiny: 4 layers, hidden 128 (scripts/device_bench.py SIZES)
+    assert source["flops_per_token"] == 8 * 1_000_000 + 16 * 4 * 128 * 32
+    assert flops == 2000.0 * source["flops_per_token"]
+    summary.write_text(json.dumps({"steps": {"model": {"status": "ok", "result": {}}, "fsdp": {"status": "failed"}}}))
+    with pytest.raises(SystemExit, match="no measured fsdp row"):
+        sim_plan.measured_train_flops(summary)
+
+    monkeypatch.setattr(sim_predict, "PROMPTS", 16)
+    areal = sim_predict.play("1.5B", 16, 8, 200, 3, rollout_share=0.5)
+    slow = sim_predict.play("1.5B", 16, 8, 200, 3, rollout_share=0.5, train_flops=sim_predict.TRAIN_FLOPS["1.5B"] / 20)
+    assert slow["trainer_busy"] > areal["trainer_busy"] and slow["samples_per_s"] < areal["samples_per_s"]
