@@ -128,3 +128,17 @@ def test_the_decode_probe_changes_only_the_decode_calls() -> None:
     undo()
     assert "position_ids" in model.forward(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=1,
                                            past_key_values=cache)
+
+
+def test_the_logprob_probe_computes_in_chunks_what_the_engine_computes_whole(tmp_path) -> None:
+    out = tmp_path / "logprob.json"
+    proc = subprocess.run([sys.executable, "scripts/device_logprob_probe.py", "--tokens", "96", "--vocab", "500",
+                           "--hidden", "32", "--chunk", "40", "--repeats", "1", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["ways"]) == {"lm_head", "current", "chunked"}
+    assert all(w["median_s"] > 0 for w in result["ways"].values())
+    same = result["chunked_vs_current"]  # a last chunk shorter than the others (96 = 40 + 40 + 16) included
+    assert same["grad_max_abs"] > 0 and same["grad_max_abs_diff"] <= 1e-6 * same["grad_max_abs"] + 1e-9
+    assert same["logprobs_max_abs_diff"] <= 1e-5 and same["entropy_max_abs_diff"] <= 1e-5
