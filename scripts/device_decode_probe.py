@@ -7,8 +7,15 @@ Qwen3-0.6B's shape, as in scripts/device_bench.py; ``tiny`` for a rehearsal on t
 - ``hf``: HF ``generate`` (sampling, no top-k/top-p), the reference;
 - ``engine``: ``TorchEngine.generate`` as it is;
 - ``engine_hf_sample``: the engine with HF's sampling (softmax, multinomial without a generator, one host copy);
-- ``engine_cache_position``: the engine's model call given ``cache_position`` as HF ``generate`` gives it;
+- ``engine_cache_position``: the engine's model call given ``cache_position`` as older HF ``generate`` gave it.
+  Qwen3's forward in transformers 5 has no such parameter (checked on 5.19: it is dropped with the other keyword
+  arguments), so this row is the engine as it is, run again in the same pass: a control for the spread between
+  identical runs;
 - ``engine_no_position_ids``: the engine's model call without ``position_ids`` (valid here: no row is padded).
+
+Each row is the wall time of one ``generate`` over ``--new-tokens`` tokens per sequence, divided by that count: the
+prefill is included, and the engine takes one decode step per token where HF takes one fewer (its first token comes
+from the prefill). The rows run in the order above in every pass.
 
 Then it prints torch.profiler's top host-time operators for the engine and for HF at batch 1, and cProfile's
 top Python functions of the engine. Output: the report on stdout (``--out`` also writes it to a file).
@@ -65,8 +72,8 @@ def wrap_forward(model, cache_position: bool = False, position_ids: bool = True)
                 kw.pop("position_ids", None)
         return orig(*args, **kw)
 
-    model.forward = forward
-    return lambda: setattr(model, "forward", orig)
+    model.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+    return lambda: model.__dict__.pop("forward", None)
 
 
 def prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:

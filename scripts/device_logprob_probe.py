@@ -10,8 +10,9 @@ vocabulary of ``--vocab`` (151,936, Qwen3's) from hidden states of ``--hidden`` 
 - ``chunked``: the same results computed ``--chunk`` tokens at a time, each chunk's logits recomputed in the
   backward (``torch.utils.checkpoint``), so no float32 copy of the whole logits is kept.
 
-It checks that ``chunked`` gives ``current``'s log-probabilities, entropies and gradient, and prints the time and
-the peak memory of each (median of ``--repeats`` after a warm-up).
+It checks that ``chunked`` gives ``current``'s log-probabilities, entropies and gradients (of the hidden states and,
+summed over the chunks, of the output layer), and prints the time and the peak memory of each above the inputs
+(median of ``--repeats`` after a warm-up).
 
     python scripts/device_logprob_probe.py --out /tmp/logprob.json
 """
@@ -56,7 +57,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run(fn, hidden, weight, targets, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]:
+def run(fn, hidden, weight, targets, device) -> tuple[torch.Tensor, torch.Tensor | None, tuple, float]:
+    """One forward and backward of ``fn``: (log-probabilities, entropies, (gradient of the hidden states, of the
+    output layer), seconds)."""
     h = hidden.detach().requires_grad_(True)
     weight.grad = None  # the output layer's gradient is computed too, as in the step
     sync(device)
@@ -64,7 +67,7 @@ def run(fn, hidden, weight, targets, device) -> tuple[torch.Tensor, torch.Tensor
     logp, ent = fn(h, weight, targets)
     logp.float().sum().backward()
     sync(device)
-    return logp.detach(), ent, h.grad, time.perf_counter() - t0
+    return logp.detach(), ent, (h.grad, weight.grad), time.perf_counter() - t0
 
 
 def main() -> None:
@@ -92,6 +95,7 @@ def main() -> None:
     for name, fn in ways.items():
         run(fn, hidden, weight, targets, device)  # warm-up
         times = []
+        weight.grad = None  # the warm-up's: not counted as this way's memory
         if gpu:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -105,8 +109,10 @@ def main() -> None:
               + (f"  peak {peak:.2f} GiB above the inputs" if peak is not None else ""), flush=True)
     (a, ea, ga), (b, eb, gb) = outputs["current"], outputs["chunked"]
     same = {"logprobs_max_abs_diff": float((a - b).abs().max()), "entropy_max_abs_diff": float((ea - eb).abs().max()),
-            "grad_max_abs_diff": float((ga.float() - gb.float()).abs().max()),
-            "grad_max_abs": float(ga.float().abs().max())}
+            "grad_max_abs_diff": float((ga[0].float() - gb[0].float()).abs().max()),
+            "grad_max_abs": float(ga[0].float().abs().max()),
+            "weight_grad_max_abs_diff": float((ga[1].float() - gb[1].float()).abs().max()),
+            "weight_grad_max_abs": float(ga[1].float().abs().max())}
     result["chunked_vs_current"] = same
     print("chunked vs current: " + ", ".join(f"{k} {v:.3g}" for k, v in same.items()), flush=True)
     if args.out:

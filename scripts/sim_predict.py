@@ -79,7 +79,7 @@ def play(size: str, gpus: int, eta: int, median: float, steps: int, scaled: bool
     scale = math.gcd(replicas, train_gpus, PROMPTS) if scaled else 1  # divides replicas, trainer GPUs and batch
     while replicas // scale < 4 and scale % 2 == 0:  # at least 4 replicas left: groups spread as over a fleet
         scale //= 2
-    costs = gpu_costs(model, H800, train_gpus // scale, mean_seq, train_flops_per_gpu=train_flops or TRAIN_FLOPS[size],
+    costs = gpu_costs(model, H800, train_gpus // scale, mean_seq, train_flops_per_gpu=TRAIN_FLOPS[size] if train_flops is None else train_flops,
                       **assume)
     rows = kv_rows(model, H800, PROMPT_TOKENS + sum(resp) / len(resp) / 2)  # a row holds half its response, on average
     work = Workload(steps=steps, batch_groups=PROMPTS // scale, group_size=ANSWERS, max_staleness=eta,

@@ -112,22 +112,23 @@ def test_the_decode_probe_changes_only_the_decode_calls() -> None:
     import torch
     from transformers import DynamicCache
 
-    class Model:
+    class Model(torch.nn.Module):
         def forward(self, **kw):
             return kw
 
-    model = Model()
+    model = Model()  # called as the engine calls it: model(...), through nn.Module.__call__
     cache = DynamicCache()
     undo = wrap_forward(model, cache_position=True, position_ids=False)
-    step = model.forward(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=torch.ones(2, 1),
-                         past_key_values=cache)
+    step = model(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=torch.ones(2, 1),
+                 past_key_values=cache)
     assert "position_ids" not in step and step["cache_position"].tolist() == [0]
-    prefill = model.forward(input_ids=torch.zeros(2, 5, dtype=torch.long), position_ids=torch.ones(2, 5),
-                            past_key_values=cache)
+    prefill = model(input_ids=torch.zeros(2, 5, dtype=torch.long), position_ids=torch.ones(2, 5),
+                    past_key_values=cache)
     assert "position_ids" in prefill and "cache_position" not in prefill  # a prefill goes through unchanged
     undo()
-    assert "position_ids" in model.forward(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=1,
-                                           past_key_values=cache)
+    assert "forward" not in model.__dict__  # the class's forward again
+    assert "position_ids" in model(input_ids=torch.zeros(2, 1, dtype=torch.long), position_ids=1,
+                                   past_key_values=cache)
 
 
 def test_the_logprob_probe_computes_in_chunks_what_the_engine_computes_whole(tmp_path) -> None:
@@ -142,3 +143,5 @@ def test_the_logprob_probe_computes_in_chunks_what_the_engine_computes_whole(tmp
     same = result["chunked_vs_current"]  # a last chunk shorter than the others (96 = 40 + 40 + 16) included
     assert same["grad_max_abs"] > 0 and same["grad_max_abs_diff"] <= 1e-6 * same["grad_max_abs"] + 1e-9
     assert same["logprobs_max_abs_diff"] <= 1e-5 and same["entropy_max_abs_diff"] <= 1e-5
+    assert same["weight_grad_max_abs"] > 0  # the output layer's gradient, summed over the chunks
+    assert same["weight_grad_max_abs_diff"] <= 1e-5 * same["weight_grad_max_abs"] + 1e-9

@@ -353,10 +353,9 @@ def test_the_plan_takes_the_trainer_measured_on_a_gpu_in_the_simulators_accounti
     """scripts/sim_plan.py --trainer-from: a device check's fsdp row becomes FLOP/s per GPU counted as the GPU cost
     model counts a trained token (8 P + causal attention), and a slower trainer is busier at the same split."""
     import json
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     import sim_plan
     import sim_predict
 
@@ -365,9 +364,11 @@ def test_the_plan_takes_the_trainer_measured_on_a_gpu_in_the_simulators_accounti
         "model": {"status": "ok", "result": {"size": "tiny", "params": 1_000_000}},
         "fsdp": {"status": "ok", "result": {"tokens_per_s": 2000.0, "seq_len": 64}}}}))
     flops, source = sim_plan.measured_train_flops(summary)
-    # tiny: 4 layers, hidden 128 (scripts/device_bench.py SIZES)
-    assert source["flops_per_token"] == 8 * 1_000_000 + 16 * 4 * 128 * 32
-    assert flops == 2000.0 * source["flops_per_token"]
+    # tiny: 4 layers of 4 heads of 32 (scripts/device_bench.py SIZES); sequences of 64, causal: 32 attended
+    assert source["flops_per_token_counted"] == 8 * 1_000_000 + 16 * 4 * 4 * 32 * 32
+    assert source["flops_per_token_done"] == 6 * 1_000_000 + 12 * 4 * 4 * 32 * 32
+    assert flops == 2000.0 * source["flops_per_token_counted"]
+    assert flops == pytest.approx(source["achieved_flops_per_gpu"] * 4 / 3)
     summary.write_text(json.dumps({"steps": {"model": {"status": "ok", "result": {}}, "fsdp": {"status": "failed"}}}))
     with pytest.raises(SystemExit, match="no measured fsdp row"):
         sim_plan.measured_train_flops(summary)
