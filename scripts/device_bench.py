@@ -73,7 +73,8 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def build_model(work: Path, size: str) -> dict:
+def random_model(size: str):
+    """A randomly initialised Qwen3 of shape ``size`` (SIZES, seed 0), float32, on the GPU if there is one."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -82,6 +83,11 @@ def build_model(work: Path, size: str) -> dict:
     with torch.device("cuda" if on_gpu() else "cpu"):
         model = Qwen3ForCausalLM(cfg)
     model.generation_config.eos_token_id = None
+    return model
+
+
+def build_model(work: Path, size: str) -> dict:
+    model = random_model(size)
     t0 = time.perf_counter()
     model.to(torch.bfloat16).save_pretrained(work / "model")
     n = sum(p.numel() for p in model.parameters())

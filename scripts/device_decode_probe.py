@@ -37,19 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from scripts.device_bench import PAD, PROMPT, SIZES, on_gpu, sync  # noqa: E402
+from scripts.device_bench import PAD, PROMPT, SIZES, on_gpu, random_model, sync  # noqa: E402
 
 
 def build(size: str) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**SIZES[size], tie_word_embeddings=True, pad_token_id=PAD, eos_token_id=None,
-                      bos_token_id=None)
-    with torch.device("cuda" if on_gpu() else "cpu"):
-        model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id = None
-    return model.to(torch.bfloat16 if on_gpu() else torch.float32).eval()
+    """The probe's model: device_bench's random Qwen3 of ``size``, bf16 on a GPU, float32 on the CPU, in eval mode."""
+    return random_model(size).to(torch.bfloat16 if on_gpu() else torch.float32).eval()
 
 
 def hf_sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
