@@ -174,15 +174,19 @@ class Monitor(threading.Thread):
 
 def _who(pid: int, state: str) -> dict:
     """What tells two processes of one role apart: state, parent, the owner epoch and instance they were started
-    with, and the Slurm job they run in."""
+    with, and the Slurm job they run in. The parent comes from ``stat`` on its own: a child between ``vfork`` and
+    ``exec`` (its parent in state D) may refuse its ``environ`` and must still be seen as its parent's child."""
+    out: dict = {"state": state}
+    try:
+        out["ppid"] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return out
     try:
         env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return {"state": state}
-    return {"state": state, "ppid": ppid,
-            **{k.lower(): env[k.encode()].decode() for k in ("HPCRL_EPOCH", "HPCRL_INSTANCE", "SLURM_JOB_ID")
-               if k.encode() in env}}
+    except OSError:
+        return out
+    return {**out, **{k.lower(): env[k.encode()].decode() for k in ("HPCRL_EPOCH", "HPCRL_INSTANCE", "SLURM_JOB_ID")
+                      if k.encode() in env}}
 
 
 def _state(pid: int) -> str:

@@ -41,3 +41,22 @@ def test_trainer_kills_with_collective_weights(tmp_path) -> None:
     assert report["exit_code"] == 0 and report["violations"] == []
     assert report["victims"].keys() == {"trainer-r0"} and report["restarts"] >= 4
     assert report["steps"] == 600 and report["unfinished"] == 0
+
+
+def test_a_child_whose_environment_cannot_be_read_is_still_its_parents(monkeypatch) -> None:
+    """Between vfork and exec a component's child shows the component's command line, its parent waits in state D,
+    and its environ may refuse to be read: the monitor must still count the pair as one instance (it once saw two)."""
+    import os
+    from pathlib import Path
+
+    chaos = load_chaos()
+    read_bytes = Path.read_bytes
+
+    def refuse_environ(self):
+        if self.name == "environ":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse_environ)
+    who = chaos._who(os.getpid(), "R")
+    assert who == {"state": "R", "ppid": os.getppid()}
