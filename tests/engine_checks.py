@@ -77,13 +77,16 @@ def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWe
                           long_tokens: int = 160, in_memory: bool = False) -> tuple[dict[str, int], int, torch.nn.Module]:
     """Submit all, update the weights mid-way, collect everything, and check every token's version is exact.
 
-    Mid-way: when the first request finishes. Every fourth request is a pacer
-    that may generate two tokens; the others may generate ``long_tokens``.
-    Where the update still missed the generation (on a loaded machine the
-    server's answers can lag its engine by a whole batch, or one request can
-    finish before the others have started), no sequence spans two versions:
-    the scenario is played again with the next version (B and A alternate),
-    up to ``attempts`` times. Exactness is checked on every attempt.
+    Every fourth request is a pacer that may generate two tokens; the others
+    may generate ``long_tokens``. The long ones are sent first, the pacers
+    after them (a later poll), and the update comes once every pacer has
+    finished: by then the long ones had reached the engine before the pacers
+    and shared their steps, so they are generating (triggering on the first
+    pacer instead, alone on an idle server, interrupted nothing). Where the
+    update still missed the generation (on a loaded machine a server's
+    answers can lag its engine), no sequence spans two versions: the
+    scenario is played again with the next version (B and A alternate), up
+    to ``attempts`` times. Exactness is checked on every attempt.
 
     ``in_memory``: each version is handed over as tensors in this process
     (as collective weights are), not as its published directory.
@@ -101,13 +104,16 @@ def update_mid_generation(engine, requests: list[Request], a, b, weights: DiskWe
         if weights.latest_version() < new:
             weights.publish(models[new].state_dict(), new)
         paced = [Request((new, r.id), r.prompt_ids, 2 if i % 4 == 0 else long_tokens) for i, r in enumerate(requests)]
-        for r in paced:
-            engine.submit(r)
+        pacers = [r for r in paced if r.max_new_tokens == 2]
         done: list[Completion] = []
+        for batch in ([r for r in paced if r.max_new_tokens != 2], pacers):  # each sent at the poll after it
+            for r in batch:
+                engine.submit(r)
+            done += engine.poll(0)
         t0, updated = time.time(), False
         while len(done) < len(paced):
             done += engine.poll(0.01)
-            if not updated and done:
+            if not updated and {r.id for r in pacers} <= {c.id for c in done}:
                 engine.update_weights(WeightVersion(new, state=models[new].state_dict()) if in_memory
                                       else weights.locate(new))
                 updated = True
