@@ -353,3 +353,34 @@ def test_an_even_ticket_share_caps_a_replica_at_its_part_of_the_bound(tmp_path) 
         assert sorted(worker.groups) == [0, 1]
     finally:
         worker.close()
+
+
+class Uneven(SingleTurn):
+    """Single-turn episodes of which the first of each group stops after one token and the others run on:
+    the first finishes long before its group does."""
+
+    def start(self, key, prompt_ids, row) -> None:
+        self.engine.submit(Request(id=key, prompt_ids=prompt_ids, max_new_tokens=1 if key[1] == 0 else 4))
+
+
+def test_a_finished_episode_that_newer_weights_leave_behind_is_generated_again_not_published(tmp_path) -> None:
+    """eta = 0: the first episode of each group finished under version 0, then version 1 came while the others
+    generated. The group's file would be stale at the trainer, so the worker starts that episode again under
+    version 1 and publishes the group whole and fresh."""
+    source = {}
+    worker, spool = make_worker(tmp_path, lambda engine, tok: Uneven(engine, tok, RewardRunner(RewardConfig())),
+                                weights=lambda m: source.setdefault("v", Versions(m, 0)))
+    early: set = set()
+    for _ in range(50):
+        worker.pump()
+        early = {(index, i) for index, g in worker.groups.items() for i, e in enumerate(g.done) if e is not None}
+        if early:
+            break
+    assert early and worker.engine.version == 0, "no episode finished before its group"
+    source["v"].latest = 1
+    run_to_idle(worker)
+    assert worker.engine.version == 1 and worker.stats.samples_restarted >= len(early)
+    groups = [read_group(e.path) for e in spool.ready()]
+    assert {index for index, _ in early} <= {g.ticket for g in groups}  # (version 1 admits tickets 2 and 3 too)
+    for g in groups:  # every sample, the early ones included, holds version-1 tokens only
+        assert all(s.versions.min() == 1 for s in g.samples), [s.versions for s in g.samples]

@@ -377,3 +377,22 @@ def test_the_plan_takes_the_trainer_measured_on_a_gpu_in_the_simulators_accounti
     areal = sim_predict.play("1.5B", 16, 8, 200, 3, rollout_share=0.5)
     slow = sim_predict.play("1.5B", 16, 8, 200, 3, rollout_share=0.5, train_flops=sim_predict.TRAIN_FLOPS["1.5B"] / 20)
     assert slow["trainer_busy"] > areal["trainer_busy"] and slow["samples_per_s"] < areal["samples_per_s"]
+
+
+def test_a_group_is_handed_over_only_while_its_oldest_token_is_within_the_bound() -> None:
+    """A row that finished early and that later weights leave more than eta versions behind is generated again
+    before its group is handed over (as the worker does): no group reaches the spool stale already."""
+    work = Workload(max_staleness=1, steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 40))
+    pipe = Pipeline(work, Costs())
+    replica, margins = pipe.replicas[0], []
+    offer = pipe.offer
+
+    def checked(group) -> None:
+        margins.append(group.min_version - (replica.version - work.max_staleness))
+        offer(group)
+
+    pipe.offer = checked
+    r = pipe.run()
+    assert min(margins) >= 0 and r.restarted_samples > 0
+    assert r.samples == 40 * 8 * 8
+    assert_no_ticket_lost(pipe)

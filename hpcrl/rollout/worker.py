@@ -29,7 +29,11 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    finished episode whose oldest token is already more than
    ``max_staleness`` versions behind the weights in hand could never be
    trained (and one holding tokens of rolled-back weights must not be), so
-   it is started again rather than published.
+   it is started again rather than published. So is a finished episode of a
+   group still generating once newer weights leave it that far behind (looked
+   at after each weight update and when the group completes): no group is
+   published that the trainer could only set aside and have generated again
+   whole.
 
 A group whose scoring failed for a reason that is not its samples' (a
 result with status ``infra_error``: the reward sandbox could not start) is
@@ -212,6 +216,8 @@ class RolloutWorker:
                 self.engine.update_weights(weights)
         except FileNotFoundError:  # replaced between the two reads: look again next time
             return
+        for index, group in self.groups.items():  # finished episodes the new version leaves behind: at once
+            self._restart_doomed(index, group)
         self.stats.weight_updates += 1
         log.debug("weights updated to version %d", latest)
 
@@ -265,22 +271,42 @@ class RolloutWorker:
     def _finish(self, key: EpisodeKey, episode: Episode) -> None:
         index, i = key
         group = self.groups[index]
-        head, newest = episode.head_version, episode.newest_version
-        lost = newest is not None and newest > self.engine.version  # turns of weights rolled back meanwhile
-        if lost or (head is not None and head < self.engine.version - self.admission.max_staleness):
+        if self._doomed(episode):
             self.stats.samples_restarted += 1
             self.episodes.start((index, i), group.prompt_ids, group.row)
             return
         group.done[i] = episode
         self.stats.samples_generated += 1
         self.stats.tokens_generated += sum(sum(s.loss_mask) for s in episode.samples())
-        if all(d is not None for d in group.done):
+        if all(d is not None for d in group.done) and not self._restart_doomed(index, group):
             self._publish(self.groups.pop(index))
+
+    def _doomed(self, episode: Episode) -> bool:
+        """Whether ``episode`` could never be trained now: its oldest token more than ``max_staleness`` versions
+        behind the weights in hand (the trainer is at that version or past it), or tokens of weights rolled back."""
+        head, newest = episode.head_version, episode.newest_version
+        lost = newest is not None and newest > self.engine.version
+        return lost or (head is not None and head < self.engine.version - self.admission.max_staleness)
+
+    def _restart_doomed(self, index: int, group: _Group) -> bool:
+        """Start again the finished episodes of ``group`` that turned doomed since they finished (newer weights
+        came while its other episodes generated); True if there was one. Its file would only be set aside by the
+        trainer and the whole group generated again."""
+        doomed = [i for i, e in enumerate(group.done) if e is not None and self._doomed(e)]
+        for i in doomed:
+            group.done[i] = None
+            self.stats.samples_restarted += 1
+            self.episodes.start((index, i), group.prompt_ids, group.row)
+        return bool(doomed)
 
     def _rescore(self) -> None:
         now = time.monotonic()
         for held in [h for h in self.held if h.due <= now]:
             self.held.remove(held)
+            index = held.group.ticket.index
+            if self._restart_doomed(index, held.group):  # generated again, then scored with the rest
+                self.groups[index] = held.group
+                continue
             self.stats.groups_rescored += 1
             self._publish(held.group, held)
 

@@ -20,7 +20,9 @@ measured:
   token on every active row. A finished group is scored
   and handed to the spool at the end of the step; a sample that finishes
   with its first token more than ``eta`` versions behind the replica's
-  weights is generated again (as hpcrl's worker does). With nothing to decode and
+  weights is generated again, and so is a finished row of a group still
+  generating once new weights leave it that far behind (as hpcrl's worker
+  does). With nothing to decode and
   no ticket it waits for the next version or a reissued ticket, which it
   sees at its next look (every ``rollout_idle_poll_s`` from when it went
   idle; at once when 0).
@@ -59,10 +61,22 @@ class _Group:
     rows_left: int
     tokens: int = 0  # response tokens generated so far, all rows
     versions: Counter = field(default_factory=Counter)  # weights version -> tokens generated with it
+    finished: list[_Row] = field(default_factory=list)  # its rows done so far
 
     @property
     def min_version(self) -> int:
         return min(self.versions)
+
+    def restart_doomed(self, floor: int, rng: random.Random, lengths: list[int]) -> list[_Row]:
+        """Take back the finished rows whose first token is older than ``floor`` (the group's file would only be
+        set aside); returns the rows that generate them again (as hpcrl's worker does)."""
+        doomed = [r for r in self.finished if r.head < floor]
+        for r in doomed:
+            self.finished.remove(r)
+            self.tokens -= r.length
+            self.versions -= r.versions
+            self.rows_left += 1
+        return [_Row(self, rng.choice(lengths)) for _ in doomed]
 
 
 @dataclass
@@ -254,6 +268,10 @@ class _Replica:
             if work.kv_on_update == "recompute" and self.rows:
                 parts["rebuild_prefill"] += costs.rebuild(sum(work.prompt_tokens + r.done for r in self.rows))
             self.version = pipe.version
+            again = [row for g in {id(r.group): r.group for r in self.rows + self.waiting}.values()
+                     for row in g.restart_doomed(self.version - work.max_staleness, pipe.rng, work.response_tokens)]
+            self.waiting += again  # finished rows the new weights leave behind, at once
+            pipe.restarted += len(again)
         elif poll:
             self.next_poll = pipe.now + costs.weights_poll_s
         admitted, cap = 0, work.max_batch_rows + work.queued_groups * work.group_size
@@ -296,9 +314,13 @@ class _Replica:
                 continue
             r.group.tokens += r.length
             r.group.versions.update(r.versions)
+            r.group.finished.append(r)
             r.group.rows_left -= 1
-            if r.group.rows_left == 0:
-                finished.append(r.group)
+            if r.group.rows_left == 0:  # rows that finished earlier and went stale meanwhile go again
+                again = r.group.restart_doomed(self.version - work.max_staleness, pipe.rng, work.response_tokens)
+                restarted += again
+                if not again:
+                    finished.append(r.group)
         self.rows = [r for r in self.rows if r.done < r.length]
         self.waiting += restarted  # at the end of the engine's queue, as a new request
         pipe.restarted += len(restarted)
