@@ -67,14 +67,26 @@ def report(counts: Counter, row: dict) -> str:
     return "\n".join(lines)
 
 
-def trainer_pid(deadline_s: float) -> int:
+def trainer_pid(bench: subprocess.Popen, deadline_s: float) -> int:
+    """The trainer process that ``bench`` (bench_async.py) starts, found among its descendants."""
     deadline = time.time() + deadline_s
-    while time.time() < deadline:
-        found = subprocess.run(["pgrep", "-f", "hpcrl.trainer"], capture_output=True, text=True).stdout.split()
-        if found:
-            return int(found[0])
+    while time.time() < deadline and bench.poll() is None:
+        family, found = {bench.pid}, None
+        for _ in range(4):  # bench_async -> hpcrl.submit -> the supervisor -> the trainer (as deep as it goes)
+            kids = subprocess.run(["pgrep", "-P", ",".join(map(str, family))], capture_output=True, text=True)
+            family |= {int(p) for p in kids.stdout.split()}
+        for pid in sorted(family - {bench.pid}):
+            try:
+                if b"hpcrl.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found = pid
+                    break
+            except OSError:
+                continue
+        if found is not None:
+            return found
         time.sleep(0.05)
-    raise SystemExit(f"no trainer process appeared within {deadline_s:.0f} s")
+    raise SystemExit("bench_async.py ended without a trainer process" if bench.poll() is not None
+                     else f"no trainer process appeared within {deadline_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -84,6 +96,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rate", type=int, default=400, help="samples a second")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.mode.startswith("colocated"):
+        parser.error("a colocated mode has no trainer process of its own: profile an async or disagg mode")
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         raise SystemExit("py-spy not found: pip install -e '.[bench]'")
@@ -93,11 +107,15 @@ def main(argv: list[str] | None = None) -> str:
               flush=True)
         bench = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--steps", str(args.steps),
                                   "--modes", args.mode, "--out", str(result)], cwd=ROOT, stdout=subprocess.DEVNULL)
-        pid = trainer_pid(600)
-        subprocess.run([spy, "record", "-p", str(pid), "-r", str(args.rate), "-f", "raw", "-o", str(raw),
-                        "--nonblocking", "--idle"], capture_output=True, check=True)
-        if bench.wait() != 0:
-            raise SystemExit("bench_async.py failed")
+        try:
+            pid = trainer_pid(bench, 600)
+            subprocess.run([spy, "record", "-p", str(pid), "-r", str(args.rate), "-f", "raw", "-o", str(raw),
+                            "--nonblocking", "--idle"], capture_output=True, check=True)
+            if bench.wait() != 0:
+                raise SystemExit("bench_async.py failed")
+        finally:
+            if bench.poll() is None:
+                bench.kill()
         r = json.loads(result.read_text())["runs"][args.mode]
         row = {k: r[k] for k in ("spool_admission_share", "spool_share", "spool_tail_share", "stale_set_asides",
                                  "read_ahead_hit_rate", "trainer_loop_s", "samples_per_s")}

@@ -31,8 +31,8 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    trained (and one holding tokens of rolled-back weights must not be), so
    it is started again rather than published. So is a finished episode of a
    group still generating once newer weights leave it that far behind (looked
-   at after each weight update and when the group completes): no group is
-   published that the trainer could only set aside and have generated again
+   at after each weight update): no group is published already stale against
+   the weights in hand, for the trainer to set aside and have generated again
    whole.
 
 A group whose scoring failed for a reason that is not its samples' (a
@@ -278,7 +278,7 @@ class RolloutWorker:
         group.done[i] = episode
         self.stats.samples_generated += 1
         self.stats.tokens_generated += sum(sum(s.loss_mask) for s in episode.samples())
-        if all(d is not None for d in group.done) and not self._restart_doomed(index, group):
+        if all(d is not None for d in group.done):
             self._publish(self.groups.pop(index))
 
     def _doomed(self, episode: Episode) -> bool:
@@ -288,25 +288,23 @@ class RolloutWorker:
         lost = newest is not None and newest > self.engine.version
         return lost or (head is not None and head < self.engine.version - self.admission.max_staleness)
 
-    def _restart_doomed(self, index: int, group: _Group) -> bool:
-        """Start again the finished episodes of ``group`` that turned doomed since they finished (newer weights
-        came while its other episodes generated); True if there was one. Its file would only be set aside by the
-        trainer and the whole group generated again."""
-        doomed = [i for i, e in enumerate(group.done) if e is not None and self._doomed(e)]
-        for i in doomed:
-            group.done[i] = None
-            self.stats.samples_restarted += 1
-            self.episodes.start((index, i), group.prompt_ids, group.row)
-        return bool(doomed)
+    def _restart_doomed(self, index: int, group: _Group) -> None:
+        """Start again the finished episodes of ``group`` (still generating) that the weights just loaded leave
+        doomed: published with them, its file would only be set aside by the trainer and the whole group generated
+        again. Their samples and tokens no longer count as generated. (A group held to be scored again keeps its
+        episodes: it is published as it is, and the trainer judges it.)"""
+        for i, e in enumerate(group.done):
+            if e is not None and self._doomed(e):
+                group.done[i] = None
+                self.stats.samples_generated -= 1
+                self.stats.tokens_generated -= sum(sum(s.loss_mask) for s in e.samples())
+                self.stats.samples_restarted += 1
+                self.episodes.start((index, i), group.prompt_ids, group.row)
 
     def _rescore(self) -> None:
         now = time.monotonic()
         for held in [h for h in self.held if h.due <= now]:
             self.held.remove(held)
-            index = held.group.ticket.index
-            if self._restart_doomed(index, held.group):  # generated again, then scored with the rest
-                self.groups[index] = held.group
-                continue
             self.stats.groups_rescored += 1
             self._publish(held.group, held)
 

@@ -147,7 +147,9 @@ class Result:
     staleness_hist: dict[int, int] = field(default_factory=dict)
     dropped_groups: int = 0
     failures: int = 0
-    restarted_samples: int = 0  # finished with a head older than eta behind the replica's weights: generated again
+    # finished with a head older than eta behind the replica's weights, or left that far behind by the weights it
+    # loaded while the rest of the group generated: generated again
+    restarted_samples: int = 0
     # seconds of finished work by phase, the shared-core slowdown included: "trainer/update", "trainer/spool",
     # "trainer/publish"; "rollout/decode", "rollout/admit_prefill", "rollout/rebuild_prefill", "rollout/ledger",
     # "rollout/reward", "rollout/weights", ... (summed over replicas; what bench_async's time split measures)

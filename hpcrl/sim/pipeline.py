@@ -21,8 +21,8 @@ measured:
   and handed to the spool at the end of the step; a sample that finishes
   with its first token more than ``eta`` versions behind the replica's
   weights is generated again, and so is a finished row of a group still
-  generating once new weights leave it that far behind (as hpcrl's worker
-  does). With nothing to decode and
+  generating once new weights leave it that far behind (looked at when the
+  replica loads them; as hpcrl's worker does). With nothing to decode and
   no ticket it waits for the next version or a reissued ticket, which it
   sees at its next look (every ``rollout_idle_poll_s`` from when it went
   idle; at once when 0).
@@ -316,11 +316,8 @@ class _Replica:
             r.group.versions.update(r.versions)
             r.group.finished.append(r)
             r.group.rows_left -= 1
-            if r.group.rows_left == 0:  # rows that finished earlier and went stale meanwhile go again
-                again = r.group.restart_doomed(self.version - work.max_staleness, pipe.rng, work.response_tokens)
-                restarted += again
-                if not again:
-                    finished.append(r.group)
+            if r.group.rows_left == 0:
+                finished.append(r.group)
         self.rows = [r for r in self.rows if r.done < r.length]
         self.waiting += restarted  # at the end of the engine's queue, as a new request
         pipe.restarted += len(restarted)
