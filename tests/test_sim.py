@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 
 import pytest
 
@@ -396,3 +397,27 @@ def test_a_group_is_handed_over_only_while_its_oldest_token_is_within_the_bound(
     assert min(margins) >= 0 and r.restarted_samples > 0
     assert r.samples == 40 * 8 * 8
     assert_no_ticket_lost(pipe)
+
+
+def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypatch) -> None:
+    """scripts/sim_calibrate.py --check with repeated runs: each is played on its own, and the check is made on the
+    mean ratios (the same run twice: the mean is that run)."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
+    cal = load_script("sim_calibrate")
+    costs, run = ROOT / "bench" / "sim_costs_gate.json", ROOT / "bench" / "results_gate.json"
+    out = tmp_path / "check.json"
+    cal.check(costs, [run, run], out)
+    got = json.loads(out.read_text())
+    one = got["runs"][str(run)]["modes"]
+    assert got["modes"].keys() == one.keys() and "async_eta4" in one
+    for name, r in got["modes"].items():
+        assert r["measured_ratio"] == pytest.approx(one[name]["measured_ratio"])
+        assert r["simulated_ratio"] == pytest.approx(one[name]["simulated_ratio"])
+        assert r["measured_ratios"] == [one[name]["measured_ratio"]] * 2
+    assert got["within_10_percent"] == sum(abs(r["error"]) <= 0.10 for r in one.values())
+    mean = cal.mean_of_runs([{"modes": {"a": {"measured_ratio": 1.0, "simulated_ratio": 1.2}}},
+                             {"modes": {"a": {"measured_ratio": 1.4, "simulated_ratio": 1.2},
+                                        "b": {"measured_ratio": 1.0, "simulated_ratio": 1.0}}}])
+    assert mean.keys() == {"a"} and mean["a"]["error"] == pytest.approx(0.0)  # b is not in every run
