@@ -412,7 +412,7 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
     measured = json.loads(costs_file.read_text())
     played = [simulate_run(measured, f, fit) for f in results_files]
     for f, p in zip(results_files, played):
-        print(f"{f}: {'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}   (ratio to colocated_t1; samples/s)")
+        print(f"{f}:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}   (ratio to colocated_t1; samples/s)")
         for name, r in p["modes"].items():
             print(f"{name:28s} {r['measured_ratio']:9.2f} {r['simulated_ratio']:9.2f} {100 * r['error']:+6.1f}%   "
                   f"({r['measured_samples_per_s']:.0f} vs {r['simulated_samples_per_s']:.0f})")
@@ -423,7 +423,7 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                          if r["stale_set_asides"][1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     if len(played) > 1:
-        print(f"mean of {len(played)} runs: {'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")
+        print(f"mean of {len(played)} runs:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")
         for name, r in rows.items():
             print(f"{name:28s} {r['measured_ratio']:9.2f} {r['simulated_ratio']:9.2f} {100 * r['error']:+6.1f}%   "
                   f"(measured " + ", ".join(f"{x:.2f}" for x in r["measured_ratios"]) + ")")
