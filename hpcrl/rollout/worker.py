@@ -277,7 +277,7 @@ class RolloutWorker:
             return
         group.done[i] = episode
         self.stats.samples_generated += 1
-        self.stats.tokens_generated += sum(sum(s.loss_mask) for s in episode.samples())
+        self.stats.tokens_generated += _trained_tokens(episode)
         if all(d is not None for d in group.done):
             self._publish(self.groups.pop(index))
 
@@ -297,7 +297,7 @@ class RolloutWorker:
             if e is not None and self._doomed(e):
                 group.done[i] = None
                 self.stats.samples_generated -= 1
-                self.stats.tokens_generated -= sum(sum(s.loss_mask) for s in e.samples())
+                self.stats.tokens_generated -= _trained_tokens(e)
                 self.stats.samples_restarted += 1
                 self.episodes.start((index, i), group.prompt_ids, group.row)
 
@@ -353,6 +353,11 @@ class RolloutWorker:
     def _published(self, group: TrajectoryGroup, seconds: float) -> None:  # on the writer thread
         self.stats.spool_write_s += seconds
         self.stats.groups_published += 1
+
+
+def _trained_tokens(episode: Episode) -> int:
+    """The tokens of ``episode`` the loss counts (its loss mask's ones)."""
+    return sum(sum(s.loss_mask) for s in episode.samples())
 
 
 def spool_samples(ticket: int, prompt_ids: list[int], episodes: list[Episode], rewards: list[float],
