@@ -3,7 +3,12 @@
     python scripts/bench_async.py --steps 60 --out bench/results.json
 
 Runs, one after another, on the same cores, config, seed, SFT warm start
-(cached) and number of trained samples (``--steps`` x B groups x G samples):
+(cached) and number of trained samples (``--steps`` x B groups x G samples),
+in ``--rounds`` rounds (default 3) that each run every mode once, so a slow
+stretch of the machine touches every mode alike; each number reported is
+the mean over the rounds, and ``rounds`` keeps each round's samples/s,
+overhead and set-asides (a 60-step run lasts about 30 s, and one run's
+samples/s moves by up to a fifth from run to run on these shared cores):
 
 * ``colocated_t1`` / ``colocated_t2``: one process alternates generation and
   training, eta = 0 (synchronous RL), with 1 and with 2 torch threads;
@@ -23,8 +28,9 @@ Runs, one after another, on the same cores, config, seed, SFT warm start
   is the share of the rollout's wall time spent in weight updates (abort,
   pause, reload, resume).
 
-For each run it reports trained samples/s and tokens/s and their ratio to
-``colocated_t1`` and to the better colocated run, busy fractions of the
+For each mode it reports trained samples/s and tokens/s and their ratio to
+``colocated_t1`` and to the better colocated run (``ratio_samples_rounds``:
+each round's ratio against its own round's baseline), busy fractions of the
 rollout engine and of the trainer, the share of trainer wall time spent
 publishing weights, the spool + admission overhead (the trainer's own
 time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -201,37 +208,100 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    results, t_start = {}, time.time()
-    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
-        for name in args.modes.split(","):
-            t0 = time.time()
-            results[name] = analyse(run_mode(name, MODES[name] + args.overrides, args.steps, Path(tmp)))
-            r = results[name]
-            r["wall_s"] = time.time() - t0
-            print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
-                  f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
-                  f"  spool+admission {100 * r['spool_admission_share']:.1f}% (after the batch's last group "
-                  f"{100 * (r['spool_tail_share'] + r['commit_share']):.1f}%; read-ahead off the loop "
-                  f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
-                  f"  wall {r['wall_s']:.0f}s", flush=True)
-            split = r.get("rollout_time_split")
-            if split:
-                print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)
+def report(name: str, r: dict) -> None:
+    print(f"{name:16s} {r['samples_per_s']:7.1f} samples/s {r['tokens_per_s']:8.0f} tok/s  busy trainer "
+          f"{r['trainer_busy']:.2f} rollout {r['rollout_busy']:.2f}  publish {100 * r['publish_share']:.1f}%"
+          f"  spool+admission {100 * r['spool_admission_share']:.1f}% (after the batch's last group "
+          f"{100 * (r['spool_tail_share'] + r['commit_share']):.1f}%; read-ahead off the loop "
+          f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
+          f"  wall {r['wall_s']:.0f}s", flush=True)
+    split = r.get("rollout_time_split")
+    if split:
+        print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def mean_of(values: list):
+    """The mean of one field over rounds: numbers averaged, dicts key by key (a count a round lacks is 0 there),
+    anything else (text, None, a mix) as the first round had it."""
+    if all(_is_number(v) for v in values):
+        return sum(values) / len(values)
+    if all(isinstance(v, dict) for v in values):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        out = {}
+        for k in keys:
+            present = [v[k] for v in values if k in v]
+            out[k] = mean_of([v.get(k, 0) for v in values] if all(_is_number(x) for x in present) else present)
+        return out
+    return values[0]
+
+
+ROUND_FIELDS = ("samples_per_s", "spool_admission_share", "stale_set_asides", "read_ahead_hit_rate", "wall_s")
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One mode's result over its rounds: every field the mean of the rounds (:func:`mean_of`), and ``rounds``
+    keeping each round's own headline numbers, so the spread stays in view."""
+    out = mean_of(rows)
+    out["rounds"] = [{k: r[k] for k in ROUND_FIELDS if k in r} for r in rows]
+    return out
+
+
+def add_ratios(results: dict) -> None:
+    """Each mode's samples/s (and tokens/s) against ``colocated_t1``'s and the better colocated run's, both means
+    over the rounds; ``ratio_samples_rounds``: each round's ratio against that same round's baseline."""
     colo = [results[n]["samples_per_s"] for n in ("colocated_t1", "colocated_t2") if n in results]
     base, best_colo = (colo[0], max(colo)) if colo else (None, None)
     base_tok = results.get("colocated_t1", {}).get("tokens_per_s")
+    base_rounds = [r["samples_per_s"] for r in results.get("colocated_t1", {}).get("rounds", [])]
     for r in results.values():
         r["ratio_samples"] = r["samples_per_s"] / base if base else None
         r["ratio_samples_best_colocated"] = r["samples_per_s"] / best_colo if best_colo else None
         r["ratio_tokens"] = r["tokens_per_s"] / base_tok if base_tok else None
-    meta = {"command": " ".join(sys.argv), "steps": args.steps, "task": TASK, "total_wall_s": time.time() - t_start}
+        if base_rounds and len(base_rounds) == len(r["rounds"]):
+            r["ratio_samples_rounds"] = [x["samples_per_s"] / b for x, b in zip(r["rounds"], base_rounds)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each mode, in rounds that each run every mode once; numbers are their means")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = [n for n in modes if n not in MODES]
+    if unknown or args.rounds < 1:
+        parser.error(f"unknown modes {unknown} (known: {', '.join(MODES)})" if unknown else "--rounds must be >= 1")
+    rows: dict[str, list[dict]] = {n: [] for n in modes}
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
+        for k in range(args.rounds):
+            print(f"round {k + 1} of {args.rounds}", flush=True)
+            for name in modes:
+                t0 = time.time()
+                run_dir = run_mode(name, MODES[name] + args.overrides, args.steps, Path(tmp) / f"round{k}")
+                r = analyse(run_dir)
+                shutil.rmtree(run_dir)  # a round's spool is not needed again: keep the disk flat over the rounds
+                r["wall_s"] = time.time() - t0
+                rows[name].append(r)
+                report(name, r)
+    results = {n: merge_rounds(rs) for n, rs in rows.items()}
+    add_ratios(results)
+    if args.rounds > 1:
+        print("means over the rounds:")
+        for name, r in results.items():
+            spread = "/".join(f"{100 * x['spool_admission_share']:.1f}" for x in r["rounds"])
+            print(f"{name:26s} {r['samples_per_s']:7.1f} samples/s (" + ", ".join(
+                f"{x['samples_per_s']:.0f}" for x in r["rounds"]) + f")  spool+admission "
+                f"{100 * r['spool_admission_share']:.2f}% ({spread})", flush=True)
+    meta = {"command": " ".join(sys.argv), "steps": args.steps, "rounds": args.rounds, "task": TASK,
+            "total_wall_s": time.time() - t_start}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     plot(results, args.out.with_suffix(".png"))

@@ -421,3 +421,30 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
                              {"modes": {"a": {"measured_ratio": 1.4, "simulated_ratio": 1.2},
                                         "b": {"measured_ratio": 1.0, "simulated_ratio": 1.0}}}])
     assert mean.keys() == {"a"} and mean["a"]["error"] == pytest.approx(0.0)  # b is not in every run
+
+
+def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
+    """Each mode runs once per round; a field is the mean over the rounds (a count a round lacks is 0 there, text as
+    the first round had it), and each round's ratio is taken against the same round's baseline."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
+    bench = load_script("bench_async")
+    base = [{"samples_per_s": 400.0, "tokens_per_s": 4000.0, "spool_admission_share": 0.01, "stale_set_asides": 0,
+             "staleness_hist": {"0": 10}, "final_accuracy": None, "wall_s": 30.0},
+            {"samples_per_s": 500.0, "tokens_per_s": 5000.0, "spool_admission_share": 0.02, "stale_set_asides": 0,
+             "staleness_hist": {"0": 20}, "final_accuracy": 0.5, "wall_s": 30.0}]
+    fast = [{"samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.03, "stale_set_asides": 4,
+             "staleness_hist": {"0": 6, "1": 4}, "final_accuracy": 0.25, "wall_s": 25.0},
+            {"samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.01, "stale_set_asides": 2,
+             "staleness_hist": {"0": 10}, "final_accuracy": 0.5, "wall_s": 25.0}]
+    results = {"colocated_t1": bench.merge_rounds(base), "async_eta1": bench.merge_rounds(fast)}
+    bench.add_ratios(results)
+    r = results["async_eta1"]
+    assert r["samples_per_s"] == 600.0 and r["spool_admission_share"] == pytest.approx(0.02)
+    assert r["staleness_hist"] == {"0": 8.0, "1": 2.0} and r["stale_set_asides"] == 3.0
+    assert r["final_accuracy"] == 0.375 and results["colocated_t1"]["final_accuracy"] is None  # a None: not a mean
+    assert r["ratio_samples"] == pytest.approx(600 / 450)  # against the baseline's mean
+    assert r["ratio_samples_rounds"] == pytest.approx([1.5, 1.2])  # each round against its own baseline
+    assert [x["samples_per_s"] for x in r["rounds"]] == [600.0, 600.0]
+    assert results["colocated_t1"]["ratio_samples"] == 1.0
