@@ -365,3 +365,65 @@ def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Pa
         wait_for(lambda: len(ahead) == 2)
     finally:
         ahead.close()
+
+
+def test_files_that_went_stale_are_set_aside_by_the_worker_while_the_step_trains(tmp_path: Path) -> None:
+    """eta = 1: a file eligible at version 1 but left out of its batch is stale at version 2. Once batch 1 is
+    taken, the read-ahead's worker sets it aside during the step (record, reissue), so the next batch's pass on
+    the loop does not; a file still eligible at version 1 was not touched while batch 1 was taken."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 5)  # head version 0
+    for g in groups:
+        spool.publish(g)
+    feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=1, timeout_s=5, read_ahead=True)
+    try:
+        assert [g.ticket for g in feed.next_batch(0)] == [0, 1]
+        feed.commit(0)
+        wait_for(lambda: len(feed.ahead) == 3)  # floor 0: nothing is stale, all three parsed
+        assert [g.ticket for g in feed.next_batch(1)] == [2, 3] and spool.dropped() == []
+        wait_for(lambda: len(spool.dropped()) == 1)  # floor 1: ticket 4 (head 0) cannot be trained at 2 or later
+        [dropped] = spool.dropped()
+        assert dropped.ticket == 4 and feed.ahead.set_aside_n == 1 and feed.dropped["stale"] == 1
+        assert spool.reason(dropped)["reason"] == "stale: head version 0 < 2 - 1; regenerated"
+        assert ledger.reissue_pending(4) and [e.ticket for e in spool.ready()] == []
+        feed.commit(1)
+        assert spool.trained()[1] and not spool.quarantined()
+    finally:
+        feed.close()
+
+
+def test_the_worker_hands_over_only_what_is_under_the_floor_and_stops_when_held(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    for t, (v0, v1) in enumerate([(1, 2), (1, 1), (2, 3), (3, 3)]):
+        spool.publish(make_group(ticket=t, v0=v0, v1=v1))
+    handed: list[str] = []
+
+    def set_aside(path: Path) -> None:
+        handed.append(path.name)
+        path.rename(tmp_path / path.name)  # as the feed's set-aside moves it out of ready/
+        if len(handed) == 1:
+            ahead.hold()  # the trainer takes its batch: the worker stops after this one
+
+    ahead = ReadAhead(spool.ready_dir, limit=8, set_aside=set_aside)
+    try:
+        ahead.set_floor(3)
+        ahead.set_floor(2)  # a floor never falls
+        ahead.kick()
+        wait_for(lambda: handed)
+        time.sleep(0.2)  # held after the first: no more hand-overs, nothing parsed in that pass
+        assert [parse(n) for n in handed] == [(1, 0)] and len(ahead) == 0
+        ahead.kick()
+        wait_for(lambda: len(handed) == 3)  # the other two under 3, oldest first
+        ahead.set_floor(1)
+        ahead.kick()
+        wait_for(lambda: len(ahead) == 1)  # the file at head 3 is parsed, never handed over
+        assert [parse(n) for n in handed] == [(1, 0), (1, 1), (2, 2)]
+    finally:
+        ahead.close()
+    assert ReadAhead(spool.ready_dir, limit=1).set_floor(5) is None  # without set_aside: nothing to do
+
+
+def parse(name: str) -> tuple[int, int]:
+    from hpcrl.spool.format import parse_name
+    info = parse_name(name)
+    return info.min_version, info.ticket
