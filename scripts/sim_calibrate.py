@@ -346,8 +346,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
                      "rollout_idle_poll_s": 0.02, "trainer_poll_s": 0.01},
                   shared_slowdown=measured["shared_slowdown"]["mean"])
     kv = "keep" if "keepkv" in name else "recompute"
-    return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, set_aside_ahead="noahead" not in name,
-                    **base), costs
+    return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, **base), costs
 
 
 def simulate_run(measured: dict, results_file: Path, fit: bool = True) -> dict:

@@ -93,10 +93,6 @@ class Workload:
     # workers each ask the ledger for themselves)
     spread_tickets: bool = False
     kv_on_update: Literal["recompute", "keep"] = "recompute"
-    # the trainer's read-ahead sets aside, while a step trains, the groups too old for the version it trains
-    # (BatchFeed.set_aside_ahead), so their tickets are reissued a step sooner; False: only when the trainer
-    # next looks for a batch (trainer.read_ahead=false)
-    set_aside_ahead: bool = True
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
     response_tokens: tuple[int, ...] = (8,)

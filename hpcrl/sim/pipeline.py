@@ -31,8 +31,7 @@ measured:
   not uniform (``Workload.uniform_share``), publishes, and wakes the
   waiting replicas; waiting for a batch, it looks at the spool every
   ``trainer_poll_s`` from the end of its last step; a group that went stale is set aside and its ticket
-  reissued (with ``Workload.set_aside_ahead``, as the read-ahead does, already while the step trains, once
-  it is too old for the version the step trains).
+  reissued.
 * **Colocated** (``Workload.mode``): one process alternates, which is the
   same protocol at ``eta = 0`` with the publish done in memory and no poll.
 * **Failures**: a replica fails at the given rate (Poisson), loses its
@@ -163,31 +162,24 @@ class Pipeline:
     def offer(self, group: _Group) -> None:
         self.offered += 1
         self.ready.append(group)
-        if self.trainer_busy and self.work.set_aside_ahead:  # the read-ahead's next pass, during the step
-            self.set_aside(self.version + 1 - self.work.max_staleness)
         self.try_train()
 
-    def set_aside(self, floor: int) -> None:
-        """Ready groups with a head version under ``floor`` are set aside and their tickets generated again."""
+    def try_train(self) -> None:
+        if self.trainer_busy or self.version >= self.work.steps:
+            return
+        floor = self.version - self.work.max_staleness
         stale = [g for g in self.ready if g.min_version < floor]
-        for g in stale:
+        for g in stale:  # set aside, generated again
             self.ready.remove(g)
             self.ledger.reissued.append(g.ticket)
             self.dropped_groups += 1
         if stale:
             self.wake()
-
-    def try_train(self) -> None:
-        if self.trainer_busy or self.version >= self.work.steps:
-            return
-        self.set_aside(self.version - self.work.max_staleness)
         if len(self.ready) < self.work.batch_groups:
             return
         self.ready.sort(key=lambda g: (g.min_version, g.ticket))
         batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
         self.trainer_busy = True
-        if self.work.set_aside_ahead:  # what is too old for the version this step trains goes now
-            self.set_aside(self.version + 1 - self.work.max_staleness)
         # begins once the event that completed the batch is over (a replica handing its last group over is busy
         # until then, and only its next step says whether the rollout side is), at the waiting trainer's next look
         poll = 0.0 if self.colocated else self.costs.trainer_poll_s
