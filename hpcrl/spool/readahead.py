@@ -15,18 +15,11 @@ of the next batch during the current step instead, without taking them:
   ``relist_s`` and parses the files it has not parsed yet, in the order the
   trainer takes them (head version, then ticket), at most ``limit`` kept at
   once; held, it sleeps. :meth:`close` stops it (the trainer's exit).
-* It claims and quarantines nothing: which files a batch takes and what is
-  invalid is decided at claim time exactly as without it. A file it cannot
+* It moves, claims and quarantines nothing, and writes nothing: what the
+  trainer decides (which files, against which version, what is stale or
+  invalid) is decided at claim time exactly as without it. A file it cannot
   parse is simply not kept; the trainer's own read then finds the fault and
-  quarantines the file with its reason. The one thing it hands on is what
-  the trainer told it cannot be trained any more: after a batch is taken
-  the feed sets a *floor* (:meth:`set_floor`: every version from the one
-  being trained on leaves a head version below it too stale), and a pass
-  gives each ready file under the floor to the feed's ``set_aside``
-  (:meth:`~hpcrl.trainer.feed.BatchFeed.set_aside_ahead`, the same checks,
-  record and reissue as the batch's own pass, under the feed's lock)
-  instead of parsing it, so the loop's next pass does not do it. A floor
-  only rises: a file under it is stale at every later version.
+  quarantines the file with its reason.
 * In colocated mode the files are written by the same process, which hands
   each group to :meth:`offer` just before the rename that publishes it
   (``Spool.on_publish``, with the group exactly as ``read_group`` returns it
@@ -96,12 +89,10 @@ class ReadAhead:
     """Parse ``ready/`` files ahead of their claim; hand the parsed group over when the same file is read."""
 
     def __init__(self, ready_dir: Path, limit: int, reader: Callable[[Path], TrajectoryGroup] = read_group,
-                 relist_s: float = 0.05, set_aside: Callable[[Path], None] | None = None) -> None:
+                 relist_s: float = 0.05) -> None:
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.ready_dir, self.limit, self.relist_s, self._reader = Path(ready_dir), limit, relist_s, reader
-        self._set_aside, self._floor = set_aside, None  # files with a head version under the floor: set_aside
-        self.set_aside_n = 0  # files handed to set_aside
         self._parsed: dict[str, tuple[_Identity, TrajectoryGroup]] = {}  # file name -> (identity, group)
         self._failed: set[str] = set()  # names that did not parse: left to the claim, not parsed again
         self._lock = threading.Lock()
@@ -135,13 +126,6 @@ class ReadAhead:
         """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
         with self._cond:
             self._active = False
-
-    def set_floor(self, floor: int) -> None:
-        """Head versions below ``floor`` are stale at every version the trainer will train from now on: such files
-        go to ``set_aside`` (given at construction; without it this does nothing) at the next pass, unparsed."""
-        if self._set_aside is not None and (self._floor is None or floor > self._floor):
-            self._floor = floor
-            self.relist()  # the files under it may be listed already
 
     def relist(self) -> None:
         """List ``ready/`` at the next look even if its modification time did not change (a file the feed waits
@@ -221,18 +205,11 @@ class ReadAhead:
             names = os.listdir(self.ready_dir)
         except FileNotFoundError:
             return
-        listed, floor = {}, self._floor
+        listed = {}
         for name in names:
             info = parse_name(name)
             if info is not None:
                 listed[name] = (info.min_version, info.ticket)
-        if floor is not None and self._set_aside is not None:
-            for name in sorted((n for n in listed if listed[n][0] < floor), key=listed.get):
-                if self._stop or not self._active:  # the trainer is taking its batch: it sets aside what is left
-                    return
-                del listed[name]
-                self._set_aside(self.ready_dir / name)  # gone since the listing: the callee finds that out
-                self.set_aside_n += 1
         with self._lock:
             todo = sorted((n for n in listed if n not in self._parsed and n not in self._failed), key=listed.get)
             if len(self._parsed) + len(todo) > self.limit:

@@ -37,14 +37,8 @@ batch during step ``v`` would select it against ``v`` instead of the version
 that trains it (``v + 1``: a file can turn stale in between). Reading is:
 with ``trainer.read_ahead`` (default on) a :class:`~hpcrl.spool.readahead.ReadAhead`
 parses the ready files during the step and while the batch waits for
-groups, and the claim takes its parse when the claimed file is the one it
-read. So does setting stale files aside: once a batch is taken at ``v``,
-a head version under ``v + 1 - max_staleness`` can never be trained again,
-and the worker hands such files to :meth:`BatchFeed.set_aside_ahead`
-during the step (the same checks, record and reissue as the loop's pass,
-which would otherwise do it when the next batch starts). A lock
-(``_moves``) keeps its moves and the loop's passes, commits, syncs and
-retention apart. While fewer eligible files are there than the
+groups, deciding nothing, and the claim takes its parse when the claimed
+file is the one it read. While fewer eligible files are there than the
 batch needs, a pass claims only the oldest ones the read-ahead has parsed
 (they still leave ``ready/`` once parsed, so a group dropped at its
 claim frees its admission slot within a look or two); the pass that can complete the
@@ -61,13 +55,11 @@ adds what the read-ahead did meanwhile.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
-from hpcrl.spool.format import TrajectoryGroup, parse_name, read_group
+from hpcrl.spool.format import TrajectoryGroup, read_group
 from hpcrl.spool.readahead import ReadAhead
 from hpcrl.spool.store import Spool, SpoolEntry
 
@@ -76,10 +68,6 @@ log = logging.getLogger(__name__)
 
 def lost_policy_reason(entry: SpoolEntry, version: int) -> str:
     return f"lost policy: tokens up to version {entry.max_version} > trainer version {version}; ticket reissued"
-
-
-def stale_reason(entry: SpoolEntry, version: int, max_staleness: int) -> str:
-    return f"stale: head version {entry.min_version} < {version} - {max_staleness}; regenerated"
 
 
 class BatchTimeout(RuntimeError):
@@ -91,13 +79,8 @@ class BatchFeed:
                  timeout_s: float = 600.0, poll_s: float = 0.01, relook_s: float = 0.1,
                  keep: Callable[[TrajectoryGroup], bool] | None = None, read_ahead: bool = False) -> None:
         self.spool, self.ledger = spool, ledger
-        # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale);
-        # files that went stale meanwhile are set aside there too (set_aside_ahead), under this lock, which every
-        # move of the spool and change of the ledger here holds: the loop's passes, commit, sync, retention
-        self._moves = threading.Lock()
-        self.ahead = (ReadAhead(spool.ready_dir, 4 * batch_size, set_aside=self.set_aside_ahead)
-                      if read_ahead else None)
-        self._next_version = 0  # the version the step in progress trains on (set_aside_ahead's)
+        # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale)
+        self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
         self._read = self.ahead.read if self.ahead is not None else read_group
         self.spool_s = 0.0  # the last next_batch's time on the spool and the ledger, waits left out
         self.spool_tail_s = 0.0  # of it, the pass that completed the batch (the rest overlapped the rollouts' work)
@@ -150,24 +133,10 @@ class BatchFeed:
             self.ledger.record_drop(entry.ticket, f"quarantined: {reason}")
         self.dropped["quarantined"] += 1
 
-    def set_aside_ahead(self, path: Path) -> None:
-        """The read-ahead's worker, while a step trains (or the batch waits): the ready file ``path`` has a head
-        version under the floor, too old for the version being trained on and every one after: set it aside and
-        reissue its ticket now, as the next batch's pass would on the loop. A file gone since it was listed
-        (claimed, set aside) and one from a lost policy (newer than that version) are left to the loop."""
-        info = parse_name(path.name)
-        with self._moves:
-            if info is None or info.max_version > self._next_version or not path.exists():
-                return
-            entry = SpoolEntry(path, info.ticket, info.min_version, info.max_version, info.writer)
-            self.regenerate(entry, "stale", stale_reason(entry, self._next_version, self.max_staleness),
-                            read=read_group)  # not the read-ahead's parse: no hit or miss of a claim
-
-    def regenerate(self, entry: SpoolEntry, kind: str, reason: str,
-                   read: Callable[[Path], TrajectoryGroup] | None = None) -> None:
+    def regenerate(self, entry: SpoolEntry, kind: str, reason: str) -> None:
         """Set aside a valid file that can no longer be trained (stale, lost policy) and reissue its
         ticket, after the same checks as a trainable file; a file that fails them is quarantined."""
-        group = self.spool.load(entry, read or self._read)  # a corrupt file is quarantined here
+        group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
         if group is None:
             if self.owns_outcome(entry):
                 self.ledger.record_drop(entry.ticket, "quarantined: unreadable")
@@ -200,10 +169,9 @@ class BatchFeed:
             if news is None or arrived >= short or time.monotonic() >= look_at:
                 look_at = t_pass = time.monotonic()
                 look_at += self.relook_s
-                with self._moves:
-                    eligible = self._eligible(version)
-                    taken = self._to_take(eligible, self.batch_size - len(groups))
-                    self._take(taken, groups, entries)
+                eligible = self._eligible(version)
+                taken = self._to_take(eligible, self.batch_size - len(groups))
+                self._take(taken, groups, entries)
                 arrived, left = 0, len(eligible) - len(taken)
                 short = 1 if self.keep is not None else max(self.batch_size - len(groups) - left, 1)
                 if self.ahead is not None and len(groups) < self.batch_size:
@@ -219,8 +187,6 @@ class BatchFeed:
                 arrived += news or 0
         self._pending = entries
         if self.ahead is not None:
-            self._next_version = version + 1
-            self.ahead.set_floor(version + 1 - self.max_staleness)  # what went stale is set aside while it trains
             self.ahead.kick()  # the next batch's files are read while this one trains
         self.spool_s = time.monotonic() - start - waited
         self.spool_tail_s = last_pass  # the pass that completed the batch: what the step waited for once it could
@@ -297,7 +263,8 @@ class BatchFeed:
             if entry.max_version > version:  # from a policy lost in a trainer restart: generate it again
                 self.regenerate(entry, "lost_policy", lost_policy_reason(entry, version))
             elif entry.min_version < version - self.max_staleness:
-                self.regenerate(entry, "stale", stale_reason(entry, version, self.max_staleness))
+                self.regenerate(entry, "stale", f"stale: head version {entry.min_version} < {version} - "
+                                                f"{self.max_staleness}; regenerated")
             else:
                 out.append(entry)
         return out
@@ -306,18 +273,15 @@ class BatchFeed:
         """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues. Its cost
         follows what changed since the last checkpoint, not the run's length."""
         finished = lambda n: n in self.trained or self.ledger.is_dropped(n)  # noqa: E731
-        with self._moves:
-            self.ledger.check_drop_count()
-            return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
-                    "reissues_compacted": self.ledger.compact_reissues(finished)}
+        self.ledger.check_drop_count()
+        return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
+                "reissues_compacted": self.ledger.compact_reissues(finished)}
 
     def sync(self) -> None:
         """Make the claims and commits so far durable (before a checkpoint covers them; :meth:`Spool.sync`)."""
-        with self._moves:
-            self.spool.sync()
+        self.spool.sync()
 
     def commit(self, version: int) -> None:
-        with self._moves:
-            self.spool.mark_trained(self._pending, version)
-            self.trained.update(e.ticket for e in self._pending)
-            self._pending, self._batch = [], set()
+        self.spool.mark_trained(self._pending, version)
+        self.trained.update(e.ticket for e in self._pending)
+        self._pending, self._batch = [], set()
