@@ -225,8 +225,11 @@ def _is_number(x) -> bool:
 
 
 def mean_of(values: list):
-    """The mean of one field over rounds: numbers averaged, dicts key by key (a count a round lacks is 0 there),
-    anything else (text, None, a mix) as the first round had it."""
+    """The mean of one field over rounds: numbers averaged (an integer every round had stays that integer: steps),
+    dicts key by key (a count a round lacks is 0 there), anything else (text, None, a mix) as the first round
+    had it."""
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values) and len(set(values)) == 1:
+        return values[0]
     if all(_is_number(v) for v in values):
         return sum(values) / len(values)
     if all(isinstance(v, dict) for v in values):

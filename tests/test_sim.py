@@ -430,18 +430,20 @@ def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
     bench = load_script("bench_async")
-    base = [{"samples_per_s": 400.0, "tokens_per_s": 4000.0, "spool_admission_share": 0.01, "stale_set_asides": 0,
-             "staleness_hist": {"0": 10}, "final_accuracy": None, "wall_s": 30.0},
-            {"samples_per_s": 500.0, "tokens_per_s": 5000.0, "spool_admission_share": 0.02, "stale_set_asides": 0,
-             "staleness_hist": {"0": 20}, "final_accuracy": 0.5, "wall_s": 30.0}]
-    fast = [{"samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.03, "stale_set_asides": 4,
-             "staleness_hist": {"0": 6, "1": 4}, "final_accuracy": 0.25, "wall_s": 25.0},
-            {"samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.01, "stale_set_asides": 2,
-             "staleness_hist": {"0": 10}, "final_accuracy": 0.5, "wall_s": 25.0}]
+    row = {"steps": 60, "wall_s": 30.0}
+    base = [{**row, "samples_per_s": 400.0, "tokens_per_s": 4000.0, "spool_admission_share": 0.01,
+             "stale_set_asides": 0, "staleness_hist": {"0": 10}, "final_accuracy": None},
+            {**row, "samples_per_s": 500.0, "tokens_per_s": 5000.0, "spool_admission_share": 0.02,
+             "stale_set_asides": 0, "staleness_hist": {"0": 20}, "final_accuracy": 0.5}]
+    fast = [{**row, "samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.03,
+             "stale_set_asides": 4, "staleness_hist": {"0": 6, "1": 4}, "final_accuracy": 0.25},
+            {**row, "samples_per_s": 600.0, "tokens_per_s": 6000.0, "spool_admission_share": 0.01,
+             "stale_set_asides": 2, "staleness_hist": {"0": 10}, "final_accuracy": 0.5}]
     results = {"colocated_t1": bench.merge_rounds(base), "async_eta1": bench.merge_rounds(fast)}
     bench.add_ratios(results)
     r = results["async_eta1"]
     assert r["samples_per_s"] == 600.0 and r["spool_admission_share"] == pytest.approx(0.02)
+    assert r["steps"] == 60 and isinstance(r["steps"], int)  # the simulator takes it as its step count
     assert r["staleness_hist"] == {"0": 8.0, "1": 2.0} and r["stale_set_asides"] == 3.0
     assert r["final_accuracy"] == 0.375 and results["colocated_t1"]["final_accuracy"] is None  # a None: not a mean
     assert r["ratio_samples"] == pytest.approx(600 / 450)  # against the baseline's mean
