@@ -29,8 +29,8 @@ samples/s moves by up to a fifth from run to run on these shared cores):
   pause, reload, resume).
 
 For each mode it reports trained samples/s and tokens/s and their ratio to
-``colocated_t1`` and to the better colocated run (``ratio_samples_rounds``:
-each round's ratio against its own round's baseline), busy fractions of the
+``colocated_t1`` (``ratio_samples_rounds``: each round's ratio against that
+round's ``colocated_t1``) and to the better colocated run, busy fractions of the
 rollout engine and of the trainer, the share of trainer wall time spent
 publishing weights, the spool + admission overhead (the trainer's own
 time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
@@ -225,13 +225,16 @@ def _is_number(x) -> bool:
 
 
 def mean_of(values: list):
-    """The mean of one field over rounds: numbers averaged (an integer every round had stays that integer: steps),
-    dicts key by key (a count a round lacks is 0 there), anything else (text, None, a mix) as the first round
-    had it."""
+    """The mean of one field over rounds: numbers averaged (an integer every round had stays that integer: steps;
+    a round without one, None, is left out: an accuracy not measured there), dicts key by key (a count a round
+    lacks is 0 there), anything else (text, lists) as the first round had it."""
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values) and len(set(values)) == 1:
         return values[0]
-    if all(_is_number(v) for v in values):
-        return sum(values) / len(values)
+    numbers = [v for v in values if v is not None]
+    if numbers and all(_is_number(v) for v in numbers):
+        return sum(numbers) / len(numbers)
+    if not numbers:
+        return None
     if all(isinstance(v, dict) for v in values):
         keys = list(dict.fromkeys(k for v in values for k in v))
         out = {}
@@ -249,6 +252,8 @@ def merge_rounds(rows: list[dict]) -> dict:
     """One mode's result over its rounds: every field the mean of the rounds (:func:`mean_of`), and ``rounds``
     keeping each round's own headline numbers, so the spread stays in view."""
     out = mean_of(rows)
+    if "staleness_hist" in out:  # a version only a later round reached goes in its place, for the plot's line
+        out["staleness_hist"] = dict(sorted(out["staleness_hist"].items(), key=lambda kv: int(kv[0])))
     out["rounds"] = [{k: r[k] for k in ROUND_FIELDS if k in r} for r in rows]
     return out
 
@@ -265,7 +270,18 @@ def add_ratios(results: dict) -> None:
         r["ratio_samples_best_colocated"] = r["samples_per_s"] / best_colo if best_colo else None
         r["ratio_tokens"] = r["tokens_per_s"] / base_tok if base_tok else None
         if base_rounds and len(base_rounds) == len(r["rounds"]):
-            r["ratio_samples_rounds"] = [x["samples_per_s"] / b for x, b in zip(r["rounds"], base_rounds)]
+            r["ratio_samples_rounds"] = [x["samples_per_s"] / b if b else None
+                                         for x, b in zip(r["rounds"], base_rounds)]
+
+
+def refused(modes: list[str], rounds: int) -> str | None:
+    """Why these arguments cannot run (None: they can), said before anything runs."""
+    unknown = [n for n in modes if n not in MODES]
+    if unknown:
+        return f"unknown modes {unknown} (known: {', '.join(MODES)})"
+    if len(set(modes)) != len(modes):
+        return "--modes: each mode once (--rounds repeats them)"
+    return "--rounds must be >= 1" if rounds < 1 else None
 
 
 def main() -> None:
@@ -278,9 +294,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    unknown = [n for n in modes if n not in MODES]
-    if unknown or args.rounds < 1:
-        parser.error(f"unknown modes {unknown} (known: {', '.join(MODES)})" if unknown else "--rounds must be >= 1")
+    problem = refused(modes, args.rounds)
+    if problem:
+        parser.error(problem)
     rows: dict[str, list[dict]] = {n: [] for n in modes}
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
@@ -290,8 +306,8 @@ def main() -> None:
                 t0 = time.time()
                 run_dir = run_mode(name, MODES[name] + args.overrides, args.steps, Path(tmp) / f"round{k}")
                 r = analyse(run_dir)
-                shutil.rmtree(run_dir)  # a round's spool is not needed again: keep the disk flat over the rounds
                 r["wall_s"] = time.time() - t0
+                shutil.rmtree(run_dir, ignore_errors=True)  # a round's spool is not needed again: the disk stays flat
                 rows[name].append(r)
                 report(name, r)
     results = {n: merge_rounds(rs) for n, rs in rows.items()}

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> str:
         print(f"bench_async.py --mode {args.mode}, {args.steps} steps, py-spy at {args.rate}/s on the trainer",
               flush=True)
         bench = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--steps", str(args.steps),
+                                  "--rounds", "1",  # py-spy follows one trainer process: one run of the mode
                                   "--modes", args.mode, "--out", str(result)], cwd=ROOT, stdout=subprocess.DEVNULL)
         try:
             pid = trainer_pid(bench, 600)

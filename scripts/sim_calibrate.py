@@ -419,7 +419,7 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
             if r["phases_per_step"]:  # ms per step, simulated / measured
                 print("    " + ", ".join(f"{k.split('/')[1]} {1e3 * a:.0f}/{1e3 * b:.0f}"
                                          for k, (a, b) in r["phases_per_step"].items())
-                      + (f"; stale set-asides {r['stale_set_asides'][0]:.0f}/{r['stale_set_asides'][1]}"
+                      + (f"; stale set-asides {r['stale_set_asides'][0]:.0f}/{r['stale_set_asides'][1]:.0f}"
                          if r["stale_set_asides"][1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     if len(played) > 1:

@@ -424,8 +424,9 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
 
 
 def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
-    """Each mode runs once per round; a field is the mean over the rounds (a count a round lacks is 0 there, text as
-    the first round had it), and each round's ratio is taken against the same round's baseline."""
+    """Each mode runs once per round; a field is the mean over the rounds (a count a round lacks is 0 there, a None
+    left out, text as the first round had it), and each round's ratio is taken against the same round's baseline;
+    a mode named twice is refused."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
@@ -445,8 +446,14 @@ def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -
     assert r["samples_per_s"] == 600.0 and r["spool_admission_share"] == pytest.approx(0.02)
     assert r["steps"] == 60 and isinstance(r["steps"], int)  # the simulator takes it as its step count
     assert r["staleness_hist"] == {"0": 8.0, "1": 2.0} and r["stale_set_asides"] == 3.0
-    assert r["final_accuracy"] == 0.375 and results["colocated_t1"]["final_accuracy"] is None  # a None: not a mean
+    assert r["final_accuracy"] == 0.375 and results["colocated_t1"]["final_accuracy"] == 0.5  # None: left out
     assert r["ratio_samples"] == pytest.approx(600 / 450)  # against the baseline's mean
     assert r["ratio_samples_rounds"] == pytest.approx([1.5, 1.2])  # each round against its own baseline
     assert [x["samples_per_s"] for x in r["rounds"]] == [600.0, 600.0]
     assert results["colocated_t1"]["ratio_samples"] == 1.0
+    assert "each mode once" in bench.refused(["colocated_t1", "colocated_t1"], 3)
+    assert "unknown" in bench.refused(["colocated_t3"], 3) and "--rounds" in bench.refused(["colocated_t1"], 0)
+    assert bench.refused(["colocated_t1", "async_eta1"], 1) is None
+    late = bench.merge_rounds([{"staleness_hist": {"0": 1, "2": 1}}, {"staleness_hist": {"0": 1, "1": 2, "2": 1}}])
+    assert list(late["staleness_hist"]) == ["0", "1", "2"]  # a version only a later round reached, in its place
+    assert bench.mean_of([None, None]) is None and bench.mean_of(["a", "b"]) == "a"
