@@ -166,6 +166,18 @@ def test_the_page_follows_a_live_run(browser, restarted_run, tmp_path) -> None:
         srv.server_close()
 
 
+def click_fresh(driver, css: str) -> bool:
+    """Click the element ``css`` finds; False if the page re-rendered it between the look and the click (a
+    listing refreshed while the test clicks), so a ``wait`` tries again with the new element."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    try:
+        driver.find_element(By.CSS_SELECTOR, css).click()
+    except StaleElementReferenceException:
+        return False
+    return True
+
+
 def test_an_agent_episode_shows_what_was_trained_and_what_was_masked(browser, agent_run) -> None:
     """The agent run of tests/conftest.py (its rollout killed and resubmitted): a two-turn episode opened from the
     trajectories panel shows the feedback turn the loss masked in grey and the model's turns in version colours,
@@ -193,7 +205,7 @@ def test_an_agent_episode_shows_what_was_trained_and_what_was_masked(browser, ag
         rel = str(path.relative_to(spool))
         row = f"#groups tbody tr[data-path='{rel}']"
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row), what="the episode's group listed")
-        browser.find_element(By.CSS_SELECTOR, row).click()
+        wait(browser, lambda d: click_fresh(d, row), what="the episode's group clicked")
         wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#group .sample .tok[data-version]"), what="tokens")
         grey = None
         for i, sample in enumerate(group.samples):
