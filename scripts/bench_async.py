@@ -40,7 +40,9 @@ served; ``spool_read_share`` is what re-reading every trained file afterwards
 costs, the reads alone), and the staleness
 histogram of the trained tokens, and where the generating process's time goes
 (decode, prefill of admitted rows, cache rebuild after new weights, reward,
-spool writing, admission ledger, weight transfer, idle). Writes ``bench/results.json`` and
+spool writing, admission ledger, weight transfer, idle) and how many cores it
+kept busy (``generator_cpu_cores``: its CPU seconds, every thread, over its
+wall time; colocated: the one process that also trains). Writes ``bench/results.json`` and
 ``bench/results.png`` (needs the optional extra ``bench``: matplotlib).
 Extra ``key=value`` arguments go to every run.
 """
@@ -143,6 +145,7 @@ def analyse(run_dir: Path) -> dict:
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())
         out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
+        out["generator_cpu_cores"] = rs["cpu_s"] / rs["wall_s"] if "cpu_s" in rs else None
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
         out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
@@ -158,6 +161,8 @@ def analyse(run_dir: Path) -> dict:
         colo = run_dir / "logs" / "colocated.stats.json"
         if colo.exists():  # shares of the generating time (the trainer loop's waits)
             out["rollout_stats"] = json.loads(colo.read_text())
+            cpu, wall = out["rollout_stats"].get("cpu_s"), out["rollout_stats"]["wall_s"]
+            out["generator_cpu_cores"] = cpu / wall if cpu is not None else None  # the one process: both sides
             out["rollout_time_split"] = time_split(out["rollout_stats"], tot["wait"])
     # what the trainer's loop spent on the spool and the ledger: taking the batch (claims, reads or the read-ahead's
     # hand-overs, ledger checks; its waits left out) and committing it
@@ -214,7 +219,8 @@ def report(name: str, r: dict) -> None:
           f"  spool+admission {100 * r['spool_admission_share']:.1f}% (after the batch's last group "
           f"{100 * (r['spool_tail_share'] + r['commit_share']):.1f}%; read-ahead off the loop "
           f"{100 * r['read_ahead_share']:.1f}%, {100 * r['read_ahead_hit_rate']:.0f}% of reads)"
-          f"  wall {r['wall_s']:.0f}s", flush=True)
+          + (f"  generator {r['generator_cpu_cores']:.2f} cores" if r.get("generator_cpu_cores") is not None else "")
+          + f"  wall {r['wall_s']:.0f}s", flush=True)
     split = r.get("rollout_time_split")
     if split:
         print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)

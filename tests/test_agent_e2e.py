@@ -59,8 +59,11 @@ def test_agent_episodes_in_colocated_mode(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rep = audit(run)
     assert rep.ok and rep.steps == 4 and rep.max_token_staleness == 0, rep.violations
-    episodes = json.loads((run / "logs" / "colocated.stats.json").read_text())["episodes"]
+    stats = json.loads((run / "logs" / "colocated.stats.json").read_text())
+    episodes = stats["episodes"]
     assert episodes["ok"] >= 4 * 4 * 4 and episodes["turns"] > episodes["ok"]  # some took the second attempt
+    # the process's CPU seconds since its worker started: it generated and trained, on at most every core
+    assert 0 < stats["cpu_s"] <= stats["wall_s"] * os.cpu_count() + 0.5, stats
 
 
 def test_the_tool_example_runs_from_its_config(tmp_path) -> None:

@@ -160,9 +160,12 @@ def _run(run_dir: Path, replica: int) -> None:
 
 
 def write_stats(path: Path, worker: RolloutWorker, transfer=None) -> None:
-    """The worker's counters and time split, the engine's (prefill, rebuild, decode) and the transfer's."""
+    """The worker's counters and time split, the engine's (prefill, rebuild, decode) and the transfer's; ``cpu_s``:
+    the CPU seconds (user + system) of every thread of this process since the worker started (colocated: the
+    training's too), so ``cpu_s / wall_s`` is the cores it kept busy on average."""
     engine = getattr(worker.engine, "stats", None)
     atomic.write_json(path, {**asdict(worker.stats), "wall_s": time.time() - worker.stats.started,
+                             "cpu_s": time.process_time() - worker.stats.cpu_started,
                              "engine": dict(engine) if engine is not None else None,
                              "episodes": dict(getattr(worker.episodes, "stats", None) or {}),
                              "reward": dict(worker.reward.counts),

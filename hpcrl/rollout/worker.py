@@ -103,6 +103,7 @@ class RolloutStats:
     samples_restarted: int = 0
     weight_updates: int = 0
     started: float = field(default_factory=time.time)
+    cpu_started: float = field(default_factory=time.process_time)  # this process's CPU seconds, every thread
     # seconds spent in each part of pump(): engine steps (busy), weights (poll + transfer + cache
     # rebuild), admission (ledger tickets), reward and spool (scoring, and handing published groups
     # to the writer thread or waiting for it, inside the busy time)
