@@ -3,8 +3,9 @@ a finished quickstart run, one whose trainer was killed and restarted by the wat
 tests/conftest.py), and an agent run whose rollout was killed mid-conversation (``agent_run``).
 
 Every panel must have drawn data, the restart must be marked on the curves and the timeline, and the tokens
-of an opened trajectory must carry the versions its spool file holds; an agent episode's masked turn is grey. The static export must do the same
-from a file:// URL. Screenshots of each panel go to test-artifacts/explore/ (docs/explore.md shows them).
+of an opened trajectory must carry the versions its spool file holds; an agent episode's masked turn is grey.
+The static export must do the same from a file:// URL. Screenshots of each panel go to test-artifacts/explore/
+(docs/explore.md shows them).
 Needs chromium and chromium-driver: the README's test command installs them (scripts/install_browser.sh).
 """
 
