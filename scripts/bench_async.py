@@ -42,7 +42,8 @@ histogram of the trained tokens, and where the generating process's time goes
 (decode, prefill of admitted rows, cache rebuild after new weights, reward,
 spool writing, admission ledger, weight transfer, idle) and how many cores it
 kept busy (``generator_cpu_cores``: its CPU seconds, every thread, over its
-wall time; colocated: the one process that also trains). Writes ``bench/results.json`` and
+wall time; not its children, such as a vLLM server; colocated: the one process
+that also trains). Writes ``bench/results.json`` and
 ``bench/results.png`` (needs the optional extra ``bench``: matplotlib).
 Extra ``key=value`` arguments go to every run.
 """
