@@ -146,7 +146,7 @@ def analyse(run_dir: Path) -> dict:
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())
         out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
-        out["generator_cpu_cores"] = rs["cpu_s"] / rs["wall_s"] if "cpu_s" in rs else None
+        out["generator_cpu_cores"] = cores_busy(rs)
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
         out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
@@ -162,13 +162,17 @@ def analyse(run_dir: Path) -> dict:
         colo = run_dir / "logs" / "colocated.stats.json"
         if colo.exists():  # shares of the generating time (the trainer loop's waits)
             out["rollout_stats"] = json.loads(colo.read_text())
-            cpu, wall = out["rollout_stats"].get("cpu_s"), out["rollout_stats"]["wall_s"]
-            out["generator_cpu_cores"] = cpu / wall if cpu is not None else None  # the one process: both sides
+            out["generator_cpu_cores"] = cores_busy(out["rollout_stats"])  # the one process: both sides
             out["rollout_time_split"] = time_split(out["rollout_stats"], tot["wait"])
     # what the trainer's loop spent on the spool and the ledger: taking the batch (claims, reads or the read-ahead's
     # hand-overs, ledger checks; its waits left out) and committing it
     out["spool_admission_share"] = out["commit_share"] + out["spool_share"]
     return out
+
+
+def cores_busy(rs: dict) -> float | None:
+    """The cores a stats file's process kept busy on average (None: written before ``cpu_s`` was recorded)."""
+    return rs["cpu_s"] / rs["wall_s"] if "cpu_s" in rs else None
 
 
 def time_split(rs: dict, wall: float) -> dict:
