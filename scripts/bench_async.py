@@ -43,7 +43,9 @@ histogram of the trained tokens, and where the generating process's time goes
 spool writing, admission ledger, weight transfer, idle) and how many cores it
 kept busy (``generator_cpu_cores``: its CPU seconds, every thread, over its
 wall time; not its children, such as a vLLM server; colocated: the one process
-that also trains). Writes ``bench/results.json`` and
+that also trains) and which threads burned them (``generator_cpu_threads``:
+CPU seconds by thread name; ``native`` is the torch intra-op pool and other
+threads Python did not start). Writes ``bench/results.json`` and
 ``bench/results.png`` (needs the optional extra ``bench``: matplotlib).
 Extra ``key=value`` arguments go to every run.
 """
@@ -146,7 +148,7 @@ def analyse(run_dir: Path) -> dict:
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())
         out["rollout_busy"] = rs["busy_s"] / rs["wall_s"]
-        out["generator_cpu_cores"] = cores_busy(rs)
+        out["generator_cpu_cores"], out["generator_cpu_threads"] = cores_busy(rs), rs.get("cpu_threads_s")
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
         out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
@@ -163,6 +165,7 @@ def analyse(run_dir: Path) -> dict:
         if colo.exists():  # shares of the generating time (the trainer loop's waits)
             out["rollout_stats"] = json.loads(colo.read_text())
             out["generator_cpu_cores"] = cores_busy(out["rollout_stats"])  # the one process: both sides
+            out["generator_cpu_threads"] = out["rollout_stats"].get("cpu_threads_s")
             out["rollout_time_split"] = time_split(out["rollout_stats"], tot["wait"])
     # what the trainer's loop spent on the spool and the ledger: taking the batch (claims, reads or the read-ahead's
     # hand-overs, ledger checks; its waits left out) and committing it
@@ -229,6 +232,10 @@ def report(name: str, r: dict) -> None:
     split = r.get("rollout_time_split")
     if split:
         print("    generation time: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in split.items()), flush=True)
+    threads = r.get("generator_cpu_threads")
+    if threads:  # CPU seconds by thread, the busiest first
+        print("    generator threads: " + "  ".join(f"{k} {v:.1f}s" for k, v in sorted(
+            threads.items(), key=lambda kv: -kv[1])), flush=True)
 
 
 def _is_number(x) -> bool:

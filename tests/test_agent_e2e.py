@@ -64,6 +64,9 @@ def test_agent_episodes_in_colocated_mode(tmp_path) -> None:
     assert episodes["ok"] >= 4 * 4 * 4 and episodes["turns"] > episodes["ok"]  # some took the second attempt
     # the process's CPU seconds since its worker started: it generated and trained, on at most every core
     assert 0 < stats["cpu_s"] <= stats["wall_s"] * os.cpu_count() + 0.5, stats
+    # and by thread: the loop's own and the thread that writes the spool files (Linux's /proc)
+    if os.path.isdir("/proc/self/task"):
+        assert stats["cpu_threads_s"]["MainThread"] > 0 and "spool-publisher" in stats["cpu_threads_s"], stats
 
 
 def test_the_tool_example_runs_from_its_config(tmp_path) -> None:

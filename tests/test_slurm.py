@@ -80,6 +80,8 @@ def test_the_reward_service_is_a_slurm_job_of_its_own(tmp_path, cache) -> None:
     # every group scored by the service; a group still waiting for its score when the run ended is an infra error,
     # never trained (the audit checks every trained sample's reward status)
     assert stats["reward"]["ok"] >= 8 * 4 * 4 and stats["samples_infra_error"] <= 4 * 4, stats
+    # its threads' CPU, taken before closing ended the one that wrote the spool files
+    assert stats["cpu_threads_s"]["MainThread"] > 0 and "spool-publisher" in stats["cpu_threads_s"], stats
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == 8
