@@ -1,12 +1,16 @@
 """Measure this machine's cost model for the pipeline simulator, then check the simulator against bench_async.
 
-    python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~3 minutes
+    python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~10 minutes
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check bench/results.json
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check run1.json run2.json --check-out c.json
 
 Measuring runs the pieces of ``scripts/bench_async.py``'s task (the reverse
 task's lengths, the tiny model, B = 16 groups of G = 8, 64 engine rows), each
-alone, with 1 and with 2 torch threads, in fresh processes:
+alone, with 1 and with 2 torch threads, in fresh processes, ``--repeats``
+times (3) in alternation with the shared-core runs below; each thread
+count's costs are fitted to its median run, each slowdown is the median of
+its runs, and every run's typical steps and ratios are kept (``repeats``)
+to show the spread:
 
 * the embedded engine (``TorchEngine``): every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
@@ -20,7 +24,8 @@ alone, with 1 and with 2 torch threads, in fresh processes:
 * the spool and the ledger: the trainer's claim + read + commit per group
   without read-ahead (``spool_per_group_s``) and a ticket (``admit_s``);
 * ``shared_slowdown``: decode steps while another process trains, and train
-  steps while another process decodes, against each alone (the mean).
+  steps while another process decodes, against each alone (the one-thread
+  run just before; the mean of the two).
 
 What crosses processes is taken from the run being checked (``--check``):
 the trainer's publish time per step (``time/publish_s``: collective or disk)
@@ -225,12 +230,12 @@ def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0) -
         return json.loads(out.read_text())
 
 
-def beside(kind: str, other: str, model_path: Path) -> dict:
-    """``kind`` measured (threads 1) while a process runs ``other`` for longer."""
-    load = _child(other, 1, model_path, 120.0, None)
+def beside(kind: str, other: str, model_path: Path, seconds: float = 0.0) -> dict:
+    """``kind`` measured (threads 1, for ``seconds`` at least) while a process runs ``other`` for longer."""
+    load = _child(other, 1, model_path, 120.0 + seconds, None)
     try:
         time.sleep(8.0)  # the other one past its start-up
-        return run_child(kind, 1, model_path)
+        return run_child(kind, 1, model_path, seconds)
     finally:
         load.kill()
         load.wait()
@@ -258,19 +263,49 @@ def typical_train_s(trainer: dict) -> float:
     return t0 + 1500 * t1
 
 
-def measure(out: Path) -> None:
+def median_run(runs: list[dict], typical) -> dict:
+    """The run whose typical step (``typical``) is the median of the runs': one consistent set of samples."""
+    return sorted(runs, key=typical)[len(runs) // 2]
+
+
+def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
+    """The pieces with 1 and 2 threads and the shared-core slowdowns, ``repeats`` times in alternation (1, 2,
+    beside, 1, 2, beside ...). Each thread count's cost model is fitted to its median run (by the typical decode
+    step; the trainer by the typical train step), and each slowdown is the median of its runs' ratios, each run
+    against the one-thread run just before it. Each run measures for ``seconds`` at least (whole passes over its
+    grid). One short run is not enough on these shared cores: the single short runs of the calibrations before
+    (``bench/sim_costs*.json`` up to ``sim_costs_s16``) put two threads' decode speed-up anywhere from 0.45x to
+    1.31x, and three 8-second runs of this one read the one-thread decode step at 4.5 to 5.6 ms
+    (``bench/sim_costs_s18.json``, ``repeats``)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_path = _model(Path(tmp))
-        result, alone = {}, {}
-        for threads in (1, 2):
-            engine, trainer = run_child("engine", threads, model_path), run_child("trainer", threads, model_path)
-            alone = alone or {"engine": engine, "trainer": trainer}
+        runs: dict[int, dict[str, list]] = {1: {"engine": [], "trainer": []}, 2: {"engine": [], "trainer": []}}
+        ratios: dict[str, list[float]] = {"decode": [], "train": []}
+        for k in range(repeats):
+            for threads in (1, 2):
+                runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds))
+                runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
+            ratios["decode"].append(typical_decode_s(beside("engine", "trainer", model_path, seconds))
+                                    / typical_decode_s(runs[1]["engine"][-1]))
+            ratios["train"].append(typical_train_s(beside("trainer", "engine", model_path, seconds))
+                                   / typical_train_s(runs[1]["trainer"][-1]))
+            print(f"run {k + 1} of {repeats}: typical decode step " + ", ".join(
+                f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
+                + "; train step " + ", ".join(f"{t}: {1e3 * typical_train_s(runs[t]['trainer'][-1]):.0f} ms"
+                                               for t in (1, 2))
+                + f"; beside the other: decode {ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x",
+                flush=True)
+        result: dict = {"repeats": {**{f"threads{t}": {"decode_ms": [1e3 * typical_decode_s(e) for e in r["engine"]],
+                                                       "train_ms": [1e3 * typical_train_s(x) for x in r["trainer"]]}
+                                       for t, r in runs.items()}, "shared_slowdown": ratios}}
+        for threads, r in runs.items():
+            engine, trainer = median_run(r["engine"], typical_decode_s), median_run(r["trainer"], typical_train_s)
             fitted = result[f"threads{threads}"] = costs_from(engine, trainer)
-            print(f"{threads} thread(s): " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), flush=True)
-        slow = {"decode": typical_decode_s(beside("engine", "trainer", model_path)) / typical_decode_s(alone["engine"]),
-                "train": typical_train_s(beside("trainer", "engine", model_path)) / typical_train_s(alone["trainer"])}
+            print(f"{threads} thread(s), median run: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()),
+                  flush=True)
+        slow = {kind: float(np.median(v)) for kind, v in ratios.items()}
         result["shared_slowdown"] = {**slow, "mean": (slow["decode"] + slow["train"]) / 2}
-        print(f"shared cores: decode {slow['decode']:.2f}x, train {slow['train']:.2f}x", flush=True)
+        print(f"shared cores (medians): decode {slow['decode']:.2f}x, train {slow['train']:.2f}x", flush=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
@@ -451,6 +486,10 @@ def dataclasses_replace(work: Workload, **changes) -> Workload:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="measure, and write the cost model here")
+    ap.add_argument("--repeats", type=int, default=3, help="with --out: runs of the pieces per thread count, "
+                    "alternating; each cost model is fitted to the median run")
+    ap.add_argument("--seconds", type=float, default=8.0, help="with --out: each run measures for this long at "
+                    "least (whole passes)")
     ap.add_argument("--costs", type=Path, help="a cost model written by --out")
     ap.add_argument("--check", type=Path, nargs="+", help="bench_async results files to compare the simulator "
                     "with (several: also with their mean ratios, mode by mode)")
@@ -473,7 +512,9 @@ def main() -> None:
             args._out.write_text(json.dumps(result))
         return
     if args.out:
-        measure(args.out)
+        if args.repeats < 1:
+            ap.error("--repeats must be at least 1")
+        measure(args.out, args.repeats, args.seconds)
     if args.check:
         if not (args.costs or args.out):
             ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")

@@ -457,3 +457,20 @@ def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -
     late = bench.merge_rounds([{"staleness_hist": {"0": 1, "2": 1}}, {"staleness_hist": {"0": 1, "1": 2, "2": 1}}])
     assert list(late["staleness_hist"]) == ["0", "1", "2"]  # a version only a later round reached, in its place
     assert bench.mean_of([None, None]) is None and bench.mean_of(["a", "b"]) == "a"
+
+
+def test_the_calibration_fits_each_thread_count_to_its_median_run(monkeypatch) -> None:
+    """scripts/sim_calibrate.py's median run: the run whose typical decode step is the median one, taken whole (its
+    samples stay together), so that one noisy run can neither set the cost model nor pull it halfway."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+
+    def engine(ms: float) -> dict:  # decode steps that cost ms whatever their rows and context
+        return {"decode": [(n, c, ms / 1e3) for n in (1, 16, 64) for c in (10, 200, 900)], "prefill": [], "load": []}
+
+    runs = [engine(2.0), engine(5.5), engine(2.6)]  # the middle one is the outlier
+    chosen = cal.median_run(runs, cal.typical_decode_s)
+    assert chosen is runs[2] and cal.typical_decode_s(chosen) == pytest.approx(2.6e-3)
+    assert cal.median_run(runs[:1], cal.typical_decode_s) is runs[0]
