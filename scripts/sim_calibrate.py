@@ -25,7 +25,7 @@ to show the spread:
   without read-ahead (``spool_per_group_s``) and a ticket (``admit_s``);
 * ``shared_slowdown``: decode steps while another process trains, and train
   steps while another process decodes, against each alone (the one-thread
-  run just before; the mean of the two).
+  run of the same repeat; the mean of the two).
 
 What crosses processes is taken from the run being checked (``--check``):
 the trainer's publish time per step (``time/publish_s``: collective or disk)
@@ -264,7 +264,8 @@ def typical_train_s(trainer: dict) -> float:
 
 
 def median_run(runs: list[dict], typical) -> dict:
-    """The run whose typical step (``typical``) is the median of the runs': one consistent set of samples."""
+    """The run whose typical step (``typical``) is the median of the runs': one consistent set of samples (with an
+    even count, the slower of the two middle runs)."""
     return sorted(runs, key=typical)[len(runs) // 2]
 
 
@@ -272,7 +273,7 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
     """The pieces with 1 and 2 threads and the shared-core slowdowns, ``repeats`` times in alternation (1, 2,
     beside, 1, 2, beside ...). Each thread count's cost model is fitted to its median run (by the typical decode
     step; the trainer by the typical train step), and each slowdown is the median of its runs' ratios, each run
-    against the one-thread run just before it. Each run measures for ``seconds`` at least (whole passes over its
+    against the one-thread run of the same repeat. Each run measures for ``seconds`` at least (whole passes over its
     grid). One short run is not enough on these shared cores: the single short runs of the calibrations before
     (``bench/sim_costs*.json`` up to ``sim_costs_s16``) put two threads' decode speed-up anywhere from 0.45x to
     1.31x, and three 8-second runs of this one read the one-thread decode step at 4.5 to 5.6 ms
@@ -487,9 +488,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="measure, and write the cost model here")
     ap.add_argument("--repeats", type=int, default=3, help="with --out: runs of the pieces per thread count, "
-                    "alternating; each cost model is fitted to the median run")
+                    "alternating; each cost model is fitted to the median run (an odd count keeps it the middle one)")
     ap.add_argument("--seconds", type=float, default=8.0, help="with --out: each run measures for this long at "
-                    "least (whole passes)")
+                    "least (whole passes; 0: one pass)")
     ap.add_argument("--costs", type=Path, help="a cost model written by --out")
     ap.add_argument("--check", type=Path, nargs="+", help="bench_async results files to compare the simulator "
                     "with (several: also with their mean ratios, mode by mode)")
@@ -512,8 +513,8 @@ def main() -> None:
             args._out.write_text(json.dumps(result))
         return
     if args.out:
-        if args.repeats < 1:
-            ap.error("--repeats must be at least 1")
+        if args.repeats < 1 or args.seconds < 0:
+            ap.error("--repeats must be at least 1 and --seconds at least 0")
         measure(args.out, args.repeats, args.seconds)
     if args.check:
         if not (args.costs or args.out):

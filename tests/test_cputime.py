@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hpcrl.runtime.cputime import _TICK, thread_cpu_s
+from hpcrl.runtime.cputime import _TICK, since, thread_cpu_s
 
 
 def _fake_task(root, tid: int, comm: str, utime: int, stime: int) -> None:
@@ -30,8 +30,18 @@ def test_threads_are_named_by_python_and_the_rest_summed_as_native(tmp_path) -> 
     assert got == {threading.current_thread().name: 4.0, "native": 4.0}
 
 
-def test_no_proc_gives_nothing(tmp_path) -> None:
+def test_no_proc_gives_nothing_and_an_odd_entry_is_skipped(tmp_path) -> None:
     assert thread_cpu_s(tmp_path / "missing") == {}
+    (tmp_path / "not-a-tid").mkdir()
+    (tmp_path / "not-a-tid" / "stat").write_text("1 (x) S" + " 0" * 40)
+    assert thread_cpu_s(tmp_path) == {}
+
+
+def test_since_counts_what_each_thread_burned_between_two_readings() -> None:
+    """Start-up before the first reading is left out; a name first seen in the second reading counts whole; a
+    reading that went down (a thread replaced by another of its name) counts 0, never less."""
+    assert since({"MainThread": 12.5, "spool-publisher": 2.0, "native": 1.0}, {"MainThread": 9.0, "native": 3.0}) \
+        == {"MainThread": 3.5, "spool-publisher": 2.0, "native": 0.0}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")

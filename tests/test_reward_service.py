@@ -126,5 +126,7 @@ def test_a_run_whose_reward_job_is_killed_three_times_completes_with_its_audit_c
     assert logs.count("reward service started") >= 4, logs[-2000:]  # the first instance and its 3 restarts
     stats = json.loads((run / "logs" / "rollout-0.stats.json").read_text())
     assert stats["reward"].get("ok", 0) >= 40 * 4 * 4, stats  # the rollout scored through the service only
+    # its threads' CPU since the worker started, read before closing ended the one that wrote the spool files
+    assert stats["cpu_threads_s"]["MainThread"] > 0 and stats["cpu_threads_s"]["spool-publisher"] > 0, stats
     print("rollout waited on the service:", stats["samples_infra_error"], "failed scorings,",
           stats["groups_rescored"], "groups scored again")

@@ -474,3 +474,51 @@ def test_the_calibration_fits_each_thread_count_to_its_median_run(monkeypatch) -
     chosen = cal.median_run(runs, cal.typical_decode_s)
     assert chosen is runs[2] and cal.typical_decode_s(chosen) == pytest.approx(2.6e-3)
     assert cal.median_run(runs[:1], cal.typical_decode_s) is runs[0]
+
+
+def test_the_calibration_alternates_its_runs_and_pairs_each_slowdown_with_its_own_repeat(tmp_path, monkeypatch) -> None:
+    """measure(): per repeat one run of each piece with 1 and 2 threads, then each beside the other process; the
+    cost model takes each thread count's median run, each slowdown the median of the ratios, each ratio against
+    the one-thread run of the same repeat; every run's typical step is kept."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+
+    def engine(ms: float) -> dict:
+        return {"decode": [(n, c, ms / 1e3) for n in (1, 16, 64) for c in (10, 200, 900)],
+                "prefill": [(t, ms / 1e4) for t in (10, 100, 400)], "load": [0.001]}
+
+    def trainer(ms: float) -> dict:
+        return {"train": [(t, ms / 1e3) for t in (500, 1500, 3000)], "handover": 0.01, "admit_s": 1e-4,
+                "spool_per_group_s": 1e-3}
+
+    one = iter([2.0, 5.0, 3.0])  # the one-thread decode of each repeat: the median run is the third
+    calls = []
+
+    def run_child(kind, threads, model_path, seconds=0.0):
+        calls.append((kind, threads, seconds))
+        if kind == "engine":
+            return engine(next(one) if threads == 1 else 1.5)
+        return trainer(300.0 if threads == 1 else 200.0)
+
+    beside_decode = iter([2.4, 4.0, 3.3])  # ratios 1.2, 0.8, 1.1 against their own repeat's one-thread run
+
+    def beside(kind, other, model_path, seconds=0.0):
+        calls.append(("beside-" + kind, 1, seconds))
+        return engine(next(beside_decode)) if kind == "engine" else trainer(330.0)
+
+    monkeypatch.setattr(cal, "_model", lambda tmp: tmp / "model")
+    monkeypatch.setattr(cal, "run_child", run_child)
+    monkeypatch.setattr(cal, "beside", beside)
+    out = tmp_path / "costs.json"
+    cal.measure(out, repeats=3, seconds=4.0)
+    got = json.loads(out.read_text())
+    assert calls[:6] == [("engine", 1, 4.0), ("trainer", 1, 4.0), ("engine", 2, 4.0), ("trainer", 2, 4.0),
+                         ("beside-engine", 1, 4.0), ("beside-trainer", 1, 4.0)] and len(calls) == 18
+    assert got["repeats"]["threads1"]["decode_ms"] == pytest.approx([2.0, 5.0, 3.0])
+    assert got["repeats"]["shared_slowdown"]["decode"] == pytest.approx([1.2, 0.8, 1.1])
+    slow = got["shared_slowdown"]
+    assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.1)
+    c1 = got["threads1"]
+    assert c1["decode_s"] + 32 * c1["decode_per_row_s"] + 640 * c1["decode_per_context_token_s"] == pytest.approx(3e-3)

@@ -41,7 +41,7 @@ from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.fleet import fleet_size
 from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
-from hpcrl.runtime.cputime import thread_cpu_s
+from hpcrl.runtime.cputime import since, thread_cpu_s
 from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
@@ -164,13 +164,14 @@ def _run(run_dir: Path, replica: int) -> None:
 def write_stats(path: Path, worker: RolloutWorker, transfer=None, threads: dict[str, float] | None = None) -> None:
     """The worker's counters and time split, the engine's (prefill, rebuild, decode) and the transfer's; ``cpu_s``:
     the CPU seconds (user + system) of every thread of this process since the worker started (colocated: the
-    training's too), so ``cpu_s / wall_s`` is the cores it kept busy on average; ``cpu_threads_s``: each live
-    thread's CPU seconds since it started, by name (:func:`hpcrl.runtime.cputime.thread_cpu_s`; ``threads``: taken
+    training's too), so ``cpu_s / wall_s`` is the cores it kept busy on average; ``cpu_threads_s``: the same by
+    thread name, since the worker started (:mod:`hpcrl.runtime.cputime`; ``threads``: the reading at the end, taken
     earlier, while the worker's threads were still alive)."""
     engine = getattr(worker.engine, "stats", None)
     atomic.write_json(path, {**asdict(worker.stats), "wall_s": time.time() - worker.stats.started,
                              "cpu_s": time.process_time() - worker.stats.cpu_started,
-                             "cpu_threads_s": thread_cpu_s() if threads is None else threads,
+                             "cpu_threads_s": since(thread_cpu_s() if threads is None else threads,
+                                                    worker.stats.cpu_threads_started),
                              "engine": dict(engine) if engine is not None else None,
                              "episodes": dict(getattr(worker.episodes, "stats", None) or {}),
                              "reward": dict(worker.reward.counts),

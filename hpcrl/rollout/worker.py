@@ -62,6 +62,7 @@ from hpcrl.rollout.config import RolloutConfig
 from hpcrl.rollout.engine import InferenceEngine
 from hpcrl.rollout.episodes import Episode, EpisodeKey, EpisodeRunner
 from hpcrl.rollout.publisher import BackgroundPublisher
+from hpcrl.runtime.cputime import thread_cpu_s
 from hpcrl.spool.format import Sample, TrajectoryGroup
 from hpcrl.spool.store import Spool
 from hpcrl.weights.transport import WeightTransport
@@ -104,6 +105,7 @@ class RolloutStats:
     weight_updates: int = 0
     started: float = field(default_factory=time.time)
     cpu_started: float = field(default_factory=time.process_time)  # this process's CPU seconds, every thread
+    cpu_threads_started: dict = field(default_factory=thread_cpu_s)  # and each live thread's, by name
     # seconds spent in each part of pump(): engine steps (busy), weights (poll + transfer + cache
     # rebuild), admission (ledger tickets), reward and spool (scoring, and handing published groups
     # to the writer thread or waiting for it, inside the busy time)

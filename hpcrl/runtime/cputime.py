@@ -6,8 +6,9 @@ that native id (``threading.Thread.name``: ``MainThread``, ``spool-publisher``,
 ``spool-read-ahead``, ``heartbeat`` ...). Threads Python did not start (the
 torch intra-op pool, gloo's, a library's) are summed under ``native``.
 Threads that have ended are not counted. Off Linux (no ``/proc``) it returns
-an empty dict. A stats writer calls it once, at the end of a component's run,
-to show which threads kept the process's cores busy.
+an empty dict. A component reads it when its work starts and again at the
+end; :func:`since` gives what each thread burned in between, which is what
+its stats file shows.
 """
 
 from __future__ import annotations
@@ -26,16 +27,25 @@ def _ticks(stat: str) -> int:
 
 
 def thread_cpu_s(task_dir: Path = Path("/proc/self/task")) -> dict[str, float]:
-    """CPU seconds of each live thread, summed by name; unnamed (non-Python) threads under ``native``."""
-    if not task_dir.is_dir():
+    """CPU seconds of each live thread since it started, summed by name; unnamed (non-Python) threads under
+    ``native``. Never raises: what cannot be read is left out (a stats writer calls it on the way out)."""
+    try:
+        entries = list(task_dir.iterdir())
+    except OSError:
         return {}
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
-    for entry in task_dir.iterdir():
+    for entry in entries:
         try:
-            ticks = _ticks((entry / "stat").read_text())
+            ticks, tid = _ticks((entry / "stat").read_text()), int(entry.name)
         except (OSError, ValueError, IndexError):
-            continue  # the thread ended while we looked
-        name = names.get(int(entry.name), "native")
+            continue  # the thread ended while we looked, or not a thread's entry
+        name = names.get(tid, "native")
         out[name] = out.get(name, 0.0) + ticks / _TICK
     return {k: round(v, 2) for k, v in sorted(out.items())}
+
+
+def since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Each name's CPU seconds between two :func:`thread_cpu_s` readings (at least 0: a thread that ended and was
+    replaced by one of the same name counts from the new one's start)."""
+    return {k: round(max(0.0, v - before.get(k, 0.0)), 2) for k, v in now.items()}
