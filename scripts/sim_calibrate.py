@@ -269,6 +269,22 @@ def median_run(runs: list[dict], typical) -> dict:
     return sorted(runs, key=typical)[len(runs) // 2]
 
 
+def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -> str:
+    """One repeat of :func:`measure`: the engine and the trainer with 1 and 2 threads, then each beside the other
+    (its ratio against this repeat's one-thread run); appends to ``runs`` and ``ratios``, returns a progress line."""
+    for threads in (1, 2):
+        runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds))
+        runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
+    ratios["decode"].append(typical_decode_s(beside("engine", "trainer", model_path, seconds))
+                            / typical_decode_s(runs[1]["engine"][-1]))
+    ratios["train"].append(typical_train_s(beside("trainer", "engine", model_path, seconds))
+                           / typical_train_s(runs[1]["trainer"][-1]))
+    decode = ", ".join(f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
+    train = ", ".join(f"{t}: {1e3 * typical_train_s(runs[t]['trainer'][-1]):.0f} ms" for t in (1, 2))
+    return (f"typical decode step {decode}; train step {train}; beside the other: decode "
+            f"{ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x")
+
+
 def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
     """The pieces with 1 and 2 threads and the shared-core slowdowns, ``repeats`` times in alternation (1, 2,
     beside, 1, 2, beside ...). Each thread count's cost model is fitted to its median run (by the typical decode
@@ -283,19 +299,7 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
         runs: dict[int, dict[str, list]] = {1: {"engine": [], "trainer": []}, 2: {"engine": [], "trainer": []}}
         ratios: dict[str, list[float]] = {"decode": [], "train": []}
         for k in range(repeats):
-            for threads in (1, 2):
-                runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds))
-                runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
-            ratios["decode"].append(typical_decode_s(beside("engine", "trainer", model_path, seconds))
-                                    / typical_decode_s(runs[1]["engine"][-1]))
-            ratios["train"].append(typical_train_s(beside("trainer", "engine", model_path, seconds))
-                                   / typical_train_s(runs[1]["trainer"][-1]))
-            print(f"run {k + 1} of {repeats}: typical decode step " + ", ".join(
-                f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
-                + "; train step " + ", ".join(f"{t}: {1e3 * typical_train_s(runs[t]['trainer'][-1]):.0f} ms"
-                                               for t in (1, 2))
-                + f"; beside the other: decode {ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x",
-                flush=True)
+            print(f"run {k + 1} of {repeats}: " + measure_repeat(model_path, seconds, runs, ratios), flush=True)
         result: dict = {"repeats": {**{f"threads{t}": {"decode_ms": [1e3 * typical_decode_s(e) for e in r["engine"]],
                                                        "train_ms": [1e3 * typical_train_s(x) for x in r["trainer"]]}
                                        for t, r in runs.items()}, "shared_slowdown": ratios}}
