@@ -100,13 +100,14 @@ def run_mode(name: str, extra: list[str], steps: int, workdir: Path) -> Path:
     return submit(workdir / name, [f"trainer.total_steps={steps}", *TASK, *extra], name)
 
 
-def spool_scan(run_dir: Path) -> tuple[Counter, float, int]:
-    """Per-token staleness histogram of every trained file, and the time it takes to read them all."""
+def spool_scan(run_dir: Path) -> tuple[Counter, float, int, list[str]]:
+    """Per-token staleness histogram of every trained file, the time it takes to read them all, and each group's
+    shape: ``"<prompt tokens>:<each sample's response tokens, sorted>"`` (the workload the simulator plays)."""
     sys.path.insert(0, str(ROOT))
     from hpcrl.spool.format import read_group
 
     hist: Counter = Counter()
-    read_s, n = 0.0, 0
+    read_s, n, shapes = 0.0, 0, []
     for step_dir in sorted((run_dir / "spool" / "trained").glob("step_*")):
         step = int(step_dir.name.split("_")[1])
         for f in step_dir.glob("*.h5"):
@@ -116,7 +117,8 @@ def spool_scan(run_dir: Path) -> tuple[Counter, float, int]:
             n += 1
             for s in g.samples:
                 hist.update((step - s.versions).tolist())
-    return hist, read_s, n
+            shapes.append(f"{len(g.prompt_ids)}:" + ",".join(map(str, sorted(len(s.response_ids) for s in g.samples))))
+    return hist, read_s, n, sorted(shapes)
 
 
 def analyse(run_dir: Path) -> dict:
@@ -127,7 +129,7 @@ def analyse(run_dir: Path) -> dict:
            for k in ("wait", "update", "publish", "commit", "spool", "spool_tail", "read_ahead")}
     hits, misses = (sum(r.get(f"spool/read_ahead_{k}", 0) for r in steps) for k in ("hits", "misses"))
     samples, tokens = sum(r["samples"] for r in steps), sum(r["tokens"] for r in steps)
-    hist, read_s, n_files = spool_scan(run_dir)
+    hist, read_s, n_files, shapes = spool_scan(run_dir)
     out = {"steps": len(steps), "samples": samples, "tokens": tokens, "trainer_loop_s": loop,
            "samples_per_s": samples / loop, "tokens_per_s": tokens / loop,
            "trainer_busy": (tot["update"] + tot["publish"]) / loop, "publish_share": tot["publish"] / loop,
@@ -143,7 +145,9 @@ def analyse(run_dir: Path) -> dict:
                              / (len(steps) * load_saved(run_dir).admission.batch_size)),
            "update_s_per_step": tot["update"] / len(steps),
            # groups set aside because they went past eta, their tickets generated again (the trainer's count)
-           "stale_set_asides": steps[-1].get("groups/dropped_stale", 0)}
+           "stale_set_asides": steps[-1].get("groups/dropped_stale", 0),
+           # every trained group's prompt and response lengths (over rounds: the first round's)
+           "group_shapes": shapes}
     stats_file = run_dir / "logs" / "rollout-0.stats.json"
     if stats_file.exists():
         rs = json.loads(stats_file.read_text())

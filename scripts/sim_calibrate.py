@@ -81,6 +81,12 @@ def task_lengths(n: int = 4096, seed: int = 0) -> tuple[list[int], float]:
     return [min(n + 1, MAX_NEW) for n in lengths], float(np.mean([n + 5 for n in lengths]))
 
 
+def group_shapes(run: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The trained groups' prompt and response lengths a bench_async run recorded (``group_shapes``)."""
+    return tuple((int(p), tuple(int(n) for n in lengths.split(",")))
+                 for p, lengths in (shape.split(":") for shape in run.get("group_shapes", ())))
+
+
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
     """Least squares, coefficients clamped at 0 (a negative cost is noise)."""
     coef, *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float), rcond=None)
@@ -104,40 +110,50 @@ def _engine(model_path: Path):
 
 
 def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
-    """Decode steps over a grid of batch sizes; prefill and rebuild against tokens; a state dict load."""
+    """Decode steps over a grid of batch sizes; prefill against tokens, into an empty engine and into a running
+    batch (whose cache is merged with the new rows'); the rebuild after new weights; a state dict load. Every
+    context is counted as the engine's left-padded cache holds it: rows times the longest (``padded``)."""
     from hpcrl.rollout.engine import Request
 
     engine, rng = _engine(model_path), random.Random(0)
-    decode, prefill = [], []
+    decode, prefill, merge, rebuild, load = [], [], [], [], []
+    padded = lambda: engine.num_running() * max(len(s.tokens()) for s in engine._running)  # noqa: E731
     deadline = time.monotonic() + seconds
     while True:
         for rows in (1, 8, 16, 32, 48, 64):
             groups = max(1, rows // G)
-            for g in range(groups):
-                prompt = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
+            prompts = [[rng.randrange(3, 60) for _ in range(rng.randint(8, 29))] for _ in range(groups)]
+            for g, prompt in enumerate(prompts):
                 for i in range(min(G, rows)):
                     engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
-            before = (engine.stats["admit_prefill_s"], engine.stats["prefill_tokens"])
-            engine.poll()  # admission (one prefill call) + the first decode step
-            prefill.append((engine.stats["prefill_tokens"] - before[1], engine.stats["admit_prefill_s"] - before[0]))
+            before = engine.stats["admit_prefill_s"]
+            engine.poll()  # admission (one prefill call, each prompt's tokens but the pending one) + a decode step
+            prefill.append((groups * (max(map(len, prompts)) - 1), engine.stats["admit_prefill_s"] - before))
             for step in range(MAX_NEW - 1):
-                ctx = sum(len(s.tokens()) for s in engine._running)
-                n = engine.num_running()
+                n, ctx, before = engine.num_running(), padded(), engine.stats["admit_prefill_s"]
                 t0 = time.perf_counter()
                 engine.poll()
-                decode.append((n, ctx, time.perf_counter() - t0))
+                took, admit = time.perf_counter() - t0, engine.stats["admit_prefill_s"] - before
+                if admit > 0:  # a group admitted into the running batch (below): its prefill and the merge
+                    merge.append((len(late) - 1, (n + G) * max(ctx // n, len(late)), admit))
+                else:
+                    decode.append((n, ctx, took))
+                if step == 4 and n + G <= ROWS:  # one more group, done when the batch is
+                    late = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
+                    for i in range(G):
+                        engine.submit(Request(("late", i), late, max_new_tokens=MAX_NEW - 6))
                 if step == 10:  # new weights mid-generation: the cache is rebuilt over every running row
                     state = {k: v.clone() for k, v in engine.model.state_dict().items()}
-                    before = (engine.stats["rebuild_prefill_s"], engine.stats["prefill_tokens"])
+                    before, tokens = engine.stats["rebuild_prefill_s"], padded()
                     t0 = time.perf_counter()
                     engine.load_state_dict(state, engine.version + 1)
                     total = time.perf_counter() - t0
-                    rebuild = engine.stats["rebuild_prefill_s"] - before[0]
-                    prefill.append((engine.stats["prefill_tokens"] - before[1], rebuild))
-                    decode.append((-1, 0, total - rebuild))  # the load alone (marked: not a decode step)
+                    took = engine.stats["rebuild_prefill_s"] - before
+                    rebuild.append((tokens, took))
+                    load.append(total - took)
         if time.monotonic() >= deadline:
-            return {"decode": [d for d in decode if d[0] >= 0], "load": [d[2] for d in decode if d[0] < 0],
-                    "prefill": prefill}
+            return {"decode": decode, "load": load, "prefill": prefill, "merge": merge, "rebuild": rebuild,
+                    "padded": True}
 
 
 def _groups(rng: random.Random, scale: int):
@@ -242,13 +258,20 @@ def beside(kind: str, other: str, model_path: Path, seconds: float = 0.0) -> dic
 
 
 def costs_from(engine: dict, trainer: dict) -> dict:
+    """The cost model of one run of each piece. An engine run of before 2026-11-29 has neither merges nor rebuilds
+    of their own, nor padded contexts: its prefill line prices both, over summed tokens."""
     d0, d1, d2 = fit([[1, n, c] for n, c, _ in engine["decode"]], [t for *_, t in engine["decode"]])
-    p0, p1 = fit([[1, n] for n, _ in engine["prefill"]], [t for _, t in engine["prefill"]])
+    admissions = [(n, 0, t) for n, t in engine["prefill"]] + [tuple(m) for m in engine.get("merge", [])]
+    p0, p1, m = fit([[1, n, k] for n, k, _ in admissions], [t for *_, t in admissions])
     t0, t1 = fit([[1, n] for n, _ in trainer["train"]], [t for _, t in trainer["train"]])
-    return {"decode_s": d0, "decode_per_row_s": d1, "decode_per_context_token_s": d2, "prefill_s": p0,
-            "prefill_per_token_s": p1, "weights_load_s": float(np.median(engine["load"])), "train_step_s": t0,
-            "train_per_token_s": t1, "colocated_publish_s": trainer["handover"], "admit_s": trainer["admit_s"],
-            "spool_per_group_s": trainer["spool_per_group_s"]}
+    out = {"decode_s": d0, "decode_per_row_s": d1, "decode_per_context_token_s": d2, "prefill_s": p0,
+           "prefill_per_token_s": p1, "weights_load_s": float(np.median(engine["load"])), "train_step_s": t0,
+           "train_per_token_s": t1, "colocated_publish_s": trainer["handover"], "admit_s": trainer["admit_s"],
+           "spool_per_group_s": trainer["spool_per_group_s"]}
+    if engine.get("padded"):
+        r0, r1 = fit([[1, n] for n, _ in engine["rebuild"]], [t for _, t in engine["rebuild"]])
+        out.update(padded_cache=True, merge_per_token_s=m, rebuild_prefill_s=r0, rebuild_prefill_per_token_s=r1)
+    return out
 
 
 def typical_decode_s(engine: dict) -> float:
@@ -361,14 +384,19 @@ def measured_phases(run: dict) -> dict[str, float]:
     return out
 
 
-def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tuple[Workload, Costs]:
-    """The simulator's workload and costs for one bench_async mode (scripts/bench_async.py MODES)."""
+def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_only: bool = False,
+               shapes: tuple = ()) -> tuple[Workload, Costs]:
+    """The simulator's workload and costs for one bench_async mode (scripts/bench_async.py MODES). Each group
+    draws the shape of one of the run's own trained groups where the run recorded them (else of ``shapes``, the
+    same mode's in another run); without any (or with ``task_only``) each sample draws its own length from the task
+    and every prompt is the mean one."""
     lengths, prompt = task_lengths()
     threads = 2 if name == "colocated_t2" else 1
     extra = measured.get("baseline", {})
     costs = Costs(**{**measured[f"threads{threads}"], **extra}, shared_slowdown=measured["shared_slowdown"]["mean"])
     base = dict(steps=run["steps"], batch_groups=B, group_size=G, max_batch_rows=ROWS, prompt_tokens=round(prompt),
-                response_tokens=tuple(lengths), uniform_share=uniform, queued_groups=1)  # hpcrl's worker holds one
+                response_tokens=tuple(lengths), uniform_share=uniform, queued_groups=1,  # hpcrl's worker holds one
+                group_shapes=() if task_only else (group_shapes(run) or shapes))
     if name.startswith("colocated"):
         return Workload(mode="colocated", max_staleness=0, **base), costs
     eta = int(name.split("eta")[1].split("_")[0])
@@ -389,9 +417,15 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0) -> tu
     return Workload(max_staleness=eta, kv_on_update=kv, shared_cores=True, **base), costs
 
 
-def simulate_run(measured: dict, results_file: Path, fit: bool = True) -> dict:
+def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only: bool = False,
+                 summed: bool = False, shapes: dict | None = None) -> dict:
     """Play every mode of one bench_async results file with the cost model ``measured``: its rows (measured and
-    simulated samples/s and ratios to ``colocated_t1``, phases, set-asides), the uniform share and fitted factors."""
+    simulated samples/s and ratios to ``colocated_t1``, phases, set-asides), the uniform share and fitted factors.
+    ``task_only`` and ``shapes`` (mode -> its groups' shapes in another run): see :func:`mode_setup`; ``summed``: contexts summed and no merge even where the cost model
+    measured a padded cache."""
+    if summed:
+        measured = {k: {**v, "padded_cache": False, "merge_per_token_s": 0.0} if k.startswith("threads") else v
+                    for k, v in measured.items()}
     runs = json.loads(results_file.read_text())["runs"]
     if "colocated_t1" not in runs:
         raise SystemExit(f"{results_file}: no colocated_t1 run to take ratios against")
@@ -405,7 +439,8 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True) -> dict:
     print(f"{results_file}: groups left out of the loss (uniform rewards): {100 * uniform:.0f} %; from the baseline "
           "run: " + ", ".join(f"{k} {v:.3g}" for k, v in measured["baseline"].items()))
     if fit and "update_s_per_step" in runs["colocated_t1"]:  # levels fitted on the baseline's own time split
-        work, costs = mode_setup("colocated_t1", runs["colocated_t1"], measured, uniform)
+        work, costs = mode_setup("colocated_t1", runs["colocated_t1"], measured, uniform, task_only,
+                                 (shapes or {}).get("colocated_t1", ()))
         phases = measured_phases(runs["colocated_t1"])
         _, factors = fit_phases(work, costs, {k: phases[k] for k in FITTED})
         print("fitted on colocated_t1: " + ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
@@ -413,7 +448,7 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True) -> dict:
         if name.startswith("vllm") or not (name.startswith("colocated") or "eta" in name):
             print(f"{name}: skipped (another engine, or a mode this script does not know)")
             continue
-        work, costs = mode_setup(name, run, measured, uniform)
+        work, costs = mode_setup(name, run, measured, uniform, task_only, (shapes or {}).get(name, ()))
         costs = scaled(costs, factors)  # the loop's overhead on each piece, as the baseline measured it
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
@@ -423,6 +458,9 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True) -> dict:
                       # groups set aside as stale and generated again, simulated / measured (None: not measured)
                       "stale_set_asides": (float(np.mean([r.dropped_groups for r in sims])),
                                            run.get("stale_set_asides")),
+                      # the engine's prefill calls (admissions and rebuilds), simulated / measured (None: not measured)
+                      "prefill_calls": (float(np.mean([r.prefill_calls for r in sims])),
+                                        run.get("rollout_stats", {}).get("engine", {}).get("prefill_calls")),
                       # seconds per trainer step in each phase, simulated and (where the run has its split) measured
                       "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
                                               v / run["steps"]) for k, v in phases_of(run).items()}}
@@ -447,10 +485,17 @@ def mean_of_runs(played: list[dict]) -> dict[str, dict]:
     return out
 
 
-def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bool = True) -> None:
-    """Compare the simulator with one or more bench_async runs (with several: also their means, mode by mode)."""
+def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bool = True, **variant) -> None:
+    """Compare the simulator with one or more bench_async runs (with several: also their means, mode by mode);
+    ``variant``: :func:`simulate_run`'s ``task_only`` and ``summed``, recorded in ``out``. A run that did not
+    record its groups' shapes plays those of the same mode in the first of the files that did."""
     measured = json.loads(costs_file.read_text())
-    played = [simulate_run(measured, f, fit) for f in results_files]
+    shapes: dict[str, tuple] = {}
+    for f in results_files:
+        for name, run in json.loads(f.read_text())["runs"].items():
+            if not shapes.get(name):
+                shapes[name] = group_shapes(run)
+    played = [simulate_run(measured, f, fit, shapes=shapes, **variant) for f in results_files]
     for f, p in zip(results_files, played):
         print(f"{f}:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}   (ratio to colocated_t1; samples/s)")
         for name, r in p["modes"].items():
@@ -460,7 +505,9 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                 print("    " + ", ".join(f"{k.split('/')[1]} {1e3 * a:.0f}/{1e3 * b:.0f}"
                                          for k, (a, b) in r["phases_per_step"].items())
                       + (f"; stale set-asides {r['stale_set_asides'][0]:.0f}/{r['stale_set_asides'][1]:.0f}"
-                         if r["stale_set_asides"][1] is not None else ""))
+                         if r["stale_set_asides"][1] is not None else "")
+                      + (f"; prefill calls {r['prefill_calls'][0]:.0f}/{r['prefill_calls'][1]:.0f}"
+                         if r["prefill_calls"][1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     if len(played) > 1:
         print(f"mean of {len(played)} runs:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")
@@ -472,7 +519,8 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
     print(f"largest ratio error {100 * worst:.1f}% (target 10%); {within} of {len(rows)} modes within 10%")
     if out:
         single = played[0] if len(played) == 1 else {"runs": {str(f): p for f, p in zip(results_files, played)}}
-        out.write_text(json.dumps({"costs": str(costs_file), "results": [str(f) for f in results_files]
+        out.write_text(json.dumps({"costs": str(costs_file), "variant": variant,
+                                   "results": [str(f) for f in results_files]
                                    if len(played) > 1 else str(results_files[0]), **single, "modes": rows,
                                    "largest_error": worst, "within_10_percent": within}, indent=1))
         print(f"wrote {out}")
@@ -501,6 +549,11 @@ def main() -> None:
     ap.add_argument("--check-out", type=Path, help="write the comparison here")
     ap.add_argument("--no-fit", action="store_true",
                     help="with --check: the pieces' costs as measured alone, not fitted to the baseline's split")
+    ap.add_argument("--task-lengths", action="store_true", help="with --check: each sample draws its own response "
+                    "length from the task and every prompt is the mean one, even where the run recorded its groups' "
+                    "shapes (the workload before 2026-11-28)")
+    ap.add_argument("--summed-context", action="store_true", help="with --check: price contexts summed, with no "
+                    "merge, even where the cost model measured the engine's padded cache (the model before)")
     ap.add_argument("--_child")
     ap.add_argument("--_threads", type=int, default=1)
     ap.add_argument("--_model", type=Path)
@@ -523,7 +576,8 @@ def main() -> None:
     if args.check:
         if not (args.costs or args.out):
             ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")
-        check(args.costs or args.out, args.check, args.check_out, fit=not args.no_fit)
+        check(args.costs or args.out, args.check, args.check_out, fit=not args.no_fit,
+              task_only=args.task_lengths, summed=args.summed_context)
     if not (args.out or args.check):
         ap.error("nothing to do: --out to measure, --check to compare")
 

@@ -277,6 +277,49 @@ def test_decode_steps_played_in_chunks_cost_exactly_what_they_cost_one_by_one() 
     assert chunked.phases == pytest.approx(one.phases, rel=1e-9)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_padded_cache_prices_every_row_as_the_longest_and_an_admission_merges_the_running_cache(padded) -> None:
+    """hpcrl's embedded engine keeps one left-padded cache: a decode step over rows of unequal age costs rows times
+    the longest, and a group admitted into a running batch copies the running cache (Costs.padded_cache)."""
+    from hpcrl.sim.pipeline import _Group, _Row
+
+    costs = dataclasses.replace(ZERO, decode_per_context_token_s=1e-5, prefill_s=1e-3, merge_per_token_s=1e-6,
+                                padded_cache=padded, weights_poll_s=1.0)
+    work = Workload(steps=1, batch_groups=1, group_size=2, max_batch_rows=4, max_staleness=4, queued_groups=0,
+                    prompt_tokens=10, response_tokens=(8,))
+    pipe = Pipeline(work, costs)
+    replica, old = pipe.replicas[0], _Group(ticket=0, rows_left=2, prompt=10)
+    replica.rows = [_Row(old, 8, done=5), _Row(old, 8, done=1)]
+    pipe.ledger.created = 1
+    replica._step()  # admits ticket 1's two rows beside the running two, then decodes one step over four
+    assert [r.group.ticket for r in replica.rows] == [0, 0, 1, 1] and pipe.prefill_calls == 1
+    merged = 4 * (10 + 5)  # four rows, each as long as the longest running one
+    assert replica._parts["admit_prefill"] == pytest.approx(1e-3 + (1e-6 * merged if padded else 0.0))
+    context = 4 * (10 + 5) if padded else 4 * 10 + 5 + 1
+    assert replica._parts["decode"] == pytest.approx(1e-5 * context)
+
+
+def test_groups_drawn_whole_from_measured_shapes_keep_their_prompt_and_their_samples_lengths() -> None:
+    """Workload.group_shapes: each group is one measured group's prompt and response lengths; the trainer's tokens
+    count each group's own prompt once per sample, and a sample generated again takes one of its group's lengths."""
+    g, b, steps, per_token = 4, 3, 20, 1e-6
+    shapes = ((4, (2, 2, 3, 2)), (20, (9, 26, 9, 9)))  # 9 and 53 response tokens a group
+    work = Workload(mode="colocated", max_staleness=0, steps=steps, batch_groups=b, group_size=g,
+                    group_shapes=shapes, max_batch_rows=64)
+    r = simulate(work, dataclasses.replace(ZERO, decode_s=1e-3, train_per_token_s=per_token))
+    groups = steps * b
+    long_groups = (r.tokens - 9 * groups) / (53 - 9)  # whole groups of one shape or the other
+    assert long_groups == int(long_groups) and 0 < long_groups < groups
+    short = groups - long_groups
+    assert r.phases["trainer/update"] == pytest.approx(per_token * (short * (9 + g * 4) + long_groups * (53 + g * 20)))
+    pipe = Pipeline(work, ZERO)
+    group = pipe.new_group(0)
+    assert (group.prompt, tuple(sorted(group.lengths))) in {(p, tuple(sorted(n))) for p, n in shapes}
+    assert {pipe.row_length(group) for _ in range(50)} == set(group.lengths)
+    with pytest.raises(ValueError, match="group_shapes"):
+        Workload(group_shapes=((4, ()),))
+
+
 def test_gpu_costs_follow_the_roofline_of_the_published_figures() -> None:
     from hpcrl.sim.gpu import H800, R1_DISTILL_QWEN_1_5B as m, gpu_costs, kv_rows
 
@@ -522,3 +565,51 @@ def test_the_calibration_alternates_its_runs_and_pairs_each_slowdown_with_its_ow
     assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.1)
     c1 = got["threads1"]
     assert c1["decode_s"] + 32 * c1["decode_per_row_s"] + 640 * c1["decode_per_context_token_s"] == pytest.approx(3e-3)
+
+
+def test_the_calibration_prices_a_merge_and_a_rebuild_apart_from_an_admission_into_an_empty_engine(monkeypatch) -> None:
+    """costs_from: admissions into an empty engine and into a running batch fit one prefill line plus a merge term;
+    the rebuild gets its own line; an engine run of the older format (summed contexts, one prefill line) does not
+    claim a padded cache."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    trainer = {"train": [(t, 1e-3 + 2e-6 * t) for t in (500, 1500, 3000)], "handover": 0.01, "admit_s": 1e-4,
+               "spool_per_group_s": 1e-3}
+    engine = {"decode": [(n, c, 2e-3 + 5e-5 * n + 1e-6 * c) for n in (1, 16, 64) for c in (10, 200, 900)],
+              "prefill": [(t, 1e-3 + 2e-5 * t) for t in (10, 100, 400)], "load": [0.002],
+              "merge": [(t, m, 1e-3 + 2e-5 * t + 3e-7 * m) for t, m in ((9, 300), (20, 1200), (28, 2000))],
+              "rebuild": [(t, 4e-3 + 5e-5 * t) for t in (200, 800, 2000)], "padded": True}
+    got = cal.costs_from(engine, trainer)
+    assert got["padded_cache"] is True
+    for key, want in {"prefill_s": 1e-3, "prefill_per_token_s": 2e-5, "merge_per_token_s": 3e-7, "decode_s": 2e-3,
+                      "decode_per_context_token_s": 1e-6, "rebuild_prefill_s": 4e-3,
+                      "rebuild_prefill_per_token_s": 5e-5}.items():
+        assert got[key] == pytest.approx(want, rel=1e-6), key
+    older = cal.costs_from({k: engine[k] for k in ("decode", "prefill", "load")}, trainer)
+    assert not {"padded_cache", "merge_per_token_s", "rebuild_prefill_s"} & set(older)
+    assert older["prefill_per_token_s"] == pytest.approx(2e-5, rel=1e-6)
+
+
+def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(tmp_path, monkeypatch) -> None:
+    """bench_async's spool scan keeps every trained group's prompt and response lengths; sim_calibrate reads them
+    back as the workload it plays for that run."""
+    import numpy as np
+
+    from chaos_script import ROOT, load_script
+    from hpcrl.spool.format import Sample, TrajectoryGroup, file_name, write_group
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench, cal = load_script("bench_async"), load_script("sim_calibrate")
+    step = tmp_path / "spool" / "trained" / "step_000003"
+    step.mkdir(parents=True)
+    for ticket, (prompt, lengths) in enumerate([(7, (3, 1, 2)), (12, (5, 5, 9))]):
+        samples = [Sample(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.full(n, 2, np.int32),
+                          np.ones(n, np.uint8), 0.0, "stop") for n in lengths]
+        group = TrajectoryGroup(ticket, "r0", np.arange(prompt, dtype=np.int32), samples)
+        write_group(step / file_name(group), group)
+    hist, _, files, shapes = bench.spool_scan(tmp_path)
+    assert files == 2 and shapes == ["12:5,5,9", "7:1,2,3"] and hist == {1: 6 + 19}
+    assert cal.group_shapes({"group_shapes": shapes}) == ((12, (5, 5, 9)), (7, (1, 2, 3)))
+    assert cal.group_shapes({}) == ()

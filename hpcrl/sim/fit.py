@@ -25,7 +25,8 @@ from hpcrl.sim.pipeline import simulate
 # phase (as Result.phases names it) -> the Costs fields its time comes from
 PHASE_FIELDS: dict[str, tuple[str, ...]] = {
     "rollout/decode": ("decode_s", "decode_per_row_s", "decode_per_context_token_s"),
-    "rollout/admit_prefill": ("prefill_s", "prefill_per_token_s"),  # and the rebuild, unless it has its own
+    # an admission's prefill and merge (and the rebuild's prefill, unless it has its own)
+    "rollout/admit_prefill": ("prefill_s", "prefill_per_token_s", "merge_per_token_s"),
     "rollout/rebuild_prefill": ("rebuild_prefill_s", "rebuild_prefill_per_token_s"),
     "rollout/reward": ("reward_per_sample_s",),
     "rollout/ledger": ("admit_s",),

@@ -22,13 +22,20 @@ class Costs:
     """Seconds per operation; each ``*_per_*`` term is linear in what it names."""
 
     # one decode step of the rollout engine over ``rows`` active sequences holding ``context`` tokens in all
+    # (with ``padded_cache``: rows times the longest, what a left-padded cache holds)
     decode_s: float = 2e-3
     decode_per_row_s: float = 5e-5
     decode_per_context_token_s: float = 0.0
     # prefill: one call for the groups admitted in one step (each group's prompt once, shared by its rows) and,
     # after new weights in recompute mode, one call over every in-flight row's prompt and generated tokens
+    # (with ``padded_cache``: rows times the longest)
     prefill_s: float = 2e-3
     prefill_per_token_s: float = 2e-5
+    # the engine keeps one left-padded cache for its running batch (hpcrl's embedded torch engine) instead of
+    # pages (vLLM, SGLang): every row costs as much as the longest, and an admission into a running batch copies
+    # the running cache into a new one, ``merge_per_token_s`` per padded token of the merged cache
+    padded_cache: bool = False
+    merge_per_token_s: float = 0.0
     # the rebuild after new weights when it costs otherwise than an admission (one large call over every row,
     # nothing merged into a running batch); None: as an admission's prefill
     rebuild_prefill_s: float | None = None
@@ -60,6 +67,10 @@ class Costs:
 
     def prefill(self, tokens: int) -> float:
         return self.prefill_s + self.prefill_per_token_s * tokens
+
+    def context(self, rows: int, total: int, longest: int) -> int:
+        """What a step over ``rows`` rows holding ``total`` tokens, the longest ``longest``, costs as."""
+        return rows * longest if self.padded_cache else total
 
     def rebuild(self, tokens: int) -> float:
         fixed = self.prefill_s if self.rebuild_prefill_s is None else self.rebuild_prefill_s
@@ -96,6 +107,11 @@ class Workload:
     prompt_tokens: int = 12
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
     response_tokens: tuple[int, ...] = (8,)
+    # one draw per group instead: an entry is a group's prompt tokens and its samples' response tokens, as a
+    # measured run's groups had them (a sample generated again draws one of its group's lengths; a shape of
+    # another size than group_size, each sample one); empty: every prompt is prompt_tokens long and each sample
+    # draws its own length from response_tokens
+    group_shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # share of groups whose samples all got the same reward: GRPO leaves them out of the loss
     # (algo.drop_uniform_groups), so the trainer reads them but does not train their tokens
     uniform_share: float = 0.0
@@ -118,6 +134,9 @@ class Workload:
             raise ValueError(f"max_batch_rows: must hold one group ({self.group_size} rows), got {self.max_batch_rows}")
         if not self.response_tokens or min(self.response_tokens) < 1:
             raise ValueError(f"response_tokens: a non-empty list of lengths >= 1, got {self.response_tokens}")
+        bad = [s for s in self.group_shapes if s[0] < 1 or not s[1] or min(s[1]) < 1]
+        if bad:
+            raise ValueError(f"group_shapes: each a prompt >= 1 and a non-empty list of lengths >= 1, got {bad[0]}")
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: colocated or disaggregated, got {self.mode!r}")
         if self.kv_on_update not in ("recompute", "keep"):
@@ -150,6 +169,7 @@ class Result:
     # finished with a head older than eta behind the replica's weights, or left that far behind by the weights it
     # loaded while the rest of the group generated: generated again
     restarted_samples: int = 0
+    prefill_calls: int = 0  # the engines' prefill calls: admissions and rebuilds after new weights
     # seconds of finished work by phase, the shared-core slowdown included: "trainer/update", "trainer/spool",
     # "trainer/publish"; "rollout/decode", "rollout/admit_prefill", "rollout/rebuild_prefill", "rollout/ledger",
     # "rollout/reward", "rollout/weights", ... (summed over replicas; what bench_async's time split measures)

@@ -17,7 +17,9 @@ measured:
   ``weights_poll_s`` (load them; in ``recompute`` mode prefill every
   in-flight row's prompt and tokens again), admit what fits (one prefill call
   for the groups admitted together, each group's prompt once), decode one
-  token on every active row. A finished group is scored
+  token on every active row. With a left-padded cache (``Costs.padded_cache``,
+  hpcrl's embedded engine) every row costs as much as the longest, and an
+  admission into a running batch merges the running cache with the new one. A finished group is scored
   and handed to the spool at the end of the step; a sample that finishes
   with its first token more than ``eta`` versions behind the replica's
   weights is generated again, and so is a finished row of a group still
@@ -59,6 +61,8 @@ from hpcrl.sim.model import Costs, Result, Workload
 class _Group:
     ticket: int
     rows_left: int
+    prompt: int = 0  # its prompt's tokens
+    lengths: tuple[int, ...] = ()  # its samples' response tokens (Workload.group_shapes); (): each draws its own
     tokens: int = 0  # response tokens generated so far, all rows
     versions: Counter = field(default_factory=Counter)  # weights version -> tokens generated with it
     finished: list[_Row] = field(default_factory=list)  # its rows done so far
@@ -67,16 +71,16 @@ class _Group:
     def min_version(self) -> int:
         return min(self.versions)
 
-    def restart_doomed(self, floor: int, rng: random.Random, lengths: list[int]) -> list[_Row]:
+    def restart_doomed(self, floor: int, length: Callable[[_Group], int]) -> list[_Row]:
         """Take back the finished rows whose first token is older than ``floor`` (the group's file would only be
-        set aside); returns the rows that generate them again (as hpcrl's worker does)."""
+        set aside); returns the rows that generate them again (as hpcrl's worker does), ``length`` long."""
         doomed = [r for r in self.finished if r.head < floor]
         for r in doomed:
             self.finished.remove(r)
             self.tokens -= r.length
             self.versions -= r.versions
             self.rows_left += 1
-        return [_Row(self, rng.choice(lengths)) for _ in doomed]
+        return [_Row(self, length(self)) for _ in doomed]
 
 
 @dataclass
@@ -120,6 +124,7 @@ class Pipeline:
         self.trainer_busy_s = 0.0
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
         self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = self.restarted = 0
+        self.prefill_calls = 0
         self.staleness: Counter = Counter()
         self.phases: Counter = Counter()  # "trainer/update", "rollout/decode", ...: seconds of finished work
         self.trained_tickets: list[int] = []
@@ -135,7 +140,8 @@ class Pipeline:
         makes no step in ``stall_events`` events (default: 2M or four times the decode steps of the longest
         response on every replica, whichever is larger; replicas failing before they finish anything, say) is a
         stall and raises."""
-        limit = stall_events or max(2_000_000, 4 * self.work.replicas * max(self.work.response_tokens))
+        longest = max([*self.work.response_tokens, *(n for _, lengths in self.work.group_shapes for n in lengths)])
+        limit = stall_events or max(2_000_000, 4 * self.work.replicas * longest)
         for r in self.replicas:
             r.start()
         since, last = 0, (self.version, self.offered)
@@ -152,7 +158,7 @@ class Pipeline:
         return Result(wall_s=self.now, samples=self.samples, tokens=self.tokens, trainer_busy_s=self.trainer_busy_s,
                       rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
                       staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures,
-                      restarted_samples=self.restarted,
+                      restarted_samples=self.restarted, prefill_calls=self.prefill_calls,
                       phases=dict(sorted(self.phases.items())))
 
     def slowdown(self, other_busy: bool) -> float:
@@ -188,7 +194,7 @@ class Pipeline:
     def _train(self, batch: list[_Group]) -> None:
         g_size = self.work.group_size
         trained = [g for g in batch if self.rng.random() >= self.work.uniform_share]  # uniform groups: no loss
-        tokens = sum(g.tokens for g in trained) + len(trained) * g_size * self.work.prompt_tokens
+        tokens = sum(g.tokens + g_size * g.prompt for g in trained)
         publish = self.costs.colocated_publish_s if self.colocated else self.costs.publish_s
         slow = self.slowdown(any(r.busy for r in self.replicas))
         parts = {"update": self.costs.train(tokens, 0), "spool": self.costs.spool_per_group_s * len(batch),
@@ -210,6 +216,24 @@ class Pipeline:
         self.version += 1
         self.wake()
         self.try_train()
+
+    def new_group(self, ticket: int) -> _Group:
+        """Ticket ``ticket``'s group: its prompt and, with ``Workload.group_shapes``, its samples' lengths, drawn."""
+        work = self.work
+        if not work.group_shapes:
+            return _Group(ticket, work.group_size, prompt=work.prompt_tokens)
+        prompt, lengths = self.rng.choice(work.group_shapes)
+        return _Group(ticket, work.group_size, prompt=prompt, lengths=tuple(lengths))
+
+    def row_lengths(self, group: _Group) -> list[int]:
+        """The response tokens of a new group's samples: its shape's, or each one's own draw."""
+        if len(group.lengths) == self.work.group_size:
+            return list(group.lengths)
+        return [self.row_length(group) for _ in range(self.work.group_size)]
+
+    def row_length(self, group: _Group) -> int:
+        """One sample's response tokens, drawn from its group's shape (or from the workload's lengths)."""
+        return self.rng.choice(group.lengths or self.work.response_tokens)
 
     def wake(self) -> None:
         """New weights or reissued tickets: replicas waiting for either look again."""
@@ -266,10 +290,11 @@ class _Replica:
             self.next_poll = pipe.now + costs.weights_poll_s
             parts["weights"] += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: loaded by the publish
             if work.kv_on_update == "recompute" and self.rows:
-                parts["rebuild_prefill"] += costs.rebuild(sum(work.prompt_tokens + r.done for r in self.rows))
+                parts["rebuild_prefill"] += costs.rebuild(self._context())
+                pipe.prefill_calls += 1
             self.version = pipe.version
             again = [row for g in {id(r.group): r.group for r in self.rows + self.waiting}.values()
-                     for row in g.restart_doomed(self.version - work.max_staleness, pipe.rng, work.response_tokens)]
+                     for row in g.restart_doomed(self.version - work.max_staleness, pipe.row_length)]
             self.waiting += again  # finished rows the new weights leave behind, at once
             pipe.restarted += len(again)
         elif poll:
@@ -280,15 +305,21 @@ class _Replica:
             ticket = pipe.ledger.try_admit(self.version)
             if ticket is None:
                 break
-            group = _Group(ticket, work.group_size)
-            self.waiting += [_Row(group, pipe.rng.choice(work.response_tokens)) for _ in range(work.group_size)]
+            group = pipe.new_group(ticket)
+            self.waiting += [_Row(group, n) for n in pipe.row_lengths(group)]
             admitted, share = admitted + 1, share - 1
         parts["ledger"] += admitted * costs.admit_s
         free = work.max_batch_rows - len(self.rows)
         if self.waiting and free >= min(work.group_size, len(self.waiting)):  # the engine admits G rows or more
             entering, self.waiting = self.waiting[:free], self.waiting[free:]
-            self.rows += entering  # one prefill call for them, each group's prompt once
-            parts["admit_prefill"] += costs.prefill(len({id(r.group) for r in entering}) * work.prompt_tokens)
+            # one prefill call for them, each group's prompt once; a running batch's cache is merged with theirs
+            prompts = [g.prompt for g in {id(r.group): r.group for r in entering}.values()]
+            parts["admit_prefill"] += costs.prefill(costs.context(len(prompts), sum(prompts), max(prompts)))
+            if self.rows and costs.padded_cache:
+                longest = max(max(prompts), max(r.group.prompt + r.done for r in self.rows))
+                parts["admit_prefill"] += costs.merge_per_token_s * (len(self.rows) + len(entering)) * longest
+            self.rows += entering
+            pipe.prefill_calls += 1
         finished: list[_Group] = []
         if not self.rows:
             if sum(parts.values()) == 0:
@@ -296,7 +327,7 @@ class _Replica:
                 return  # wait for new weights or a reissued ticket (Pipeline.wake)
             self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)  # loaded weights, nothing to decode
             return
-        context, n = sum(work.prompt_tokens + r.done for r in self.rows), len(self.rows)
+        context, n = self._context(), len(self.rows)
         # k decode steps in one event, up to the first row's end (the context grows by n tokens a step): exact for
         # the linear cost model; only looks for weights and admissions wait for the event's end
         k = min(work.tokens_per_event, min(r.length - r.done for r in self.rows))
@@ -310,7 +341,7 @@ class _Replica:
             if r.done < r.length:
                 continue
             if r.head < self.version - work.max_staleness:  # its head went stale: the worker generates it again
-                restarted.append(_Row(r.group, pipe.rng.choice(work.response_tokens)))
+                restarted.append(_Row(r.group, pipe.row_length(r.group)))
                 continue
             r.group.tokens += r.length
             r.group.versions.update(r.versions)
@@ -324,6 +355,11 @@ class _Replica:
         parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
         self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
+
+    def _context(self) -> int:
+        """The tokens the running rows hold, as the engine's cache costs them (Costs.context)."""
+        held = [r.group.prompt + r.done for r in self.rows]
+        return self.costs.context(len(held), sum(held), max(held))
 
     def _share(self) -> float:
         """Groups this replica may still take: unlimited, or with ``Workload.spread_tickets`` its even share of what
