@@ -15,8 +15,13 @@ to show the spread:
 * the embedded engine (``TorchEngine``): every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
-  prefill of admitted groups and of the cache rebuilt after new weights
-  against tokens (``prefill_*``); loading a state dict (``weights_load_s``);
+  prefill of admitted groups against tokens, into an empty engine and into
+  a running batch whose cache is merged with theirs (``prefill_*``,
+  ``merge_per_token_s``); the cache rebuilt after new weights
+  (``rebuild_prefill_*``); loading a state dict (``weights_load_s``). Every
+  context counts as the left-padded cache holds it, rows times the longest
+  (``padded_cache``; cost files from before 2026-11-28 summed the tokens
+  and priced admissions and rebuilds on one ``prefill_*`` line);
 * the FSDP2 trainer on one gloo rank: ``train_step`` on batches of the
   task's lengths scaled x1 and x2 (``train_step_s``, ``train_per_token_s``)
   and handing its weights to an engine in the same process
@@ -71,6 +76,7 @@ from hpcrl.sim import Costs, Workload, fit_phases, simulate  # noqa: E402
 from hpcrl.sim.fit import scaled  # noqa: E402
 
 B, G, ROWS, MAX_NEW = 16, 8, 64, 26
+LATE_AFTER = 4  # the calibration admits one group into each running batch after this decode step
 MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
 
 
@@ -83,7 +89,7 @@ def task_lengths(n: int = 4096, seed: int = 0) -> tuple[list[int], float]:
 
 def group_shapes(run: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The trained groups' prompt and response lengths a bench_async run recorded (``group_shapes``)."""
-    return tuple((int(p), tuple(int(n) for n in lengths.split(",")))
+    return tuple((int(p), tuple(max(1, int(n)) for n in lengths.split(",")))  # an empty response: one token
                  for p, lengths in (shape.split(":") for shape in run.get("group_shapes", ())))
 
 
@@ -117,7 +123,7 @@ def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
 
     engine, rng = _engine(model_path), random.Random(0)
     decode, prefill, merge, rebuild, load = [], [], [], [], []
-    padded = lambda: engine.num_running() * max(len(s.tokens()) for s in engine._running)  # noqa: E731
+    padded = lambda: engine.num_running() * max((len(s.tokens()) for s in engine._running), default=0)  # noqa: E731
     deadline = time.monotonic() + seconds
     while True:
         for rows in (1, 8, 16, 32, 48, 64):
@@ -127,30 +133,33 @@ def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
                 for i in range(min(G, rows)):
                     engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
             before = engine.stats["admit_prefill_s"]
-            engine.poll()  # admission (one prefill call, each prompt's tokens but the pending one) + a decode step
-            prefill.append((groups * (max(map(len, prompts)) - 1), engine.stats["admit_prefill_s"] - before))
+            engine.poll()  # admission (one prefill call over each prompt) + a decode step
+            # each prompt as long as the longest, counted whole (its pending token too), as the simulator counts it
+            prefill.append((groups * max(map(len, prompts)), engine.stats["admit_prefill_s"] - before))
             for step in range(MAX_NEW - 1):
                 n, ctx, before = engine.num_running(), padded(), engine.stats["admit_prefill_s"]
                 t0 = time.perf_counter()
                 engine.poll()
-                took, admit = time.perf_counter() - t0, engine.stats["admit_prefill_s"] - before
+                polled, admit = time.perf_counter() - t0, engine.stats["admit_prefill_s"] - before
                 if admit > 0:  # a group admitted into the running batch (below): its prefill and the merge
-                    merge.append((len(late) - 1, (n + G) * max(ctx // n, len(late)), admit))
+                    merge.append((len(late), (n + G) * max(ctx // n, len(late)), admit))
                 else:
-                    decode.append((n, ctx, took))
-                if step == 4 and n + G <= ROWS:  # one more group, done when the batch is
+                    decode.append((n, ctx, polled))
+                if step == LATE_AFTER and n + G <= ROWS:  # one more group, entering at the next poll
                     late = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
-                    for i in range(G):
-                        engine.submit(Request(("late", i), late, max_new_tokens=MAX_NEW - 6))
+                    for i in range(G):  # its tokens: one a poll from step LATE_AFTER + 1 to the last, MAX_NEW - 2
+                        engine.submit(Request(("late", i), late, max_new_tokens=MAX_NEW - LATE_AFTER - 2))
                 if step == 10:  # new weights mid-generation: the cache is rebuilt over every running row
                     state = {k: v.clone() for k, v in engine.model.state_dict().items()}
                     before, tokens = engine.stats["rebuild_prefill_s"], padded()
                     t0 = time.perf_counter()
                     engine.load_state_dict(state, engine.version + 1)
                     total = time.perf_counter() - t0
-                    took = engine.stats["rebuild_prefill_s"] - before
-                    rebuild.append((tokens, took))
-                    load.append(total - took)
+                    prefilled = engine.stats["rebuild_prefill_s"] - before
+                    rebuild.append((tokens, prefilled))
+                    load.append(total - prefilled)
+            if engine.num_running():
+                raise RuntimeError("the calibration's batch did not finish with its grid point")
         if time.monotonic() >= deadline:
             return {"decode": decode, "load": load, "prefill": prefill, "merge": merge, "rebuild": rebuild,
                     "padded": True}
@@ -258,7 +267,7 @@ def beside(kind: str, other: str, model_path: Path, seconds: float = 0.0) -> dic
 
 
 def costs_from(engine: dict, trainer: dict) -> dict:
-    """The cost model of one run of each piece. An engine run of before 2026-11-29 has neither merges nor rebuilds
+    """The cost model of one run of each piece. An engine run of before 2026-11-28 has neither merges nor rebuilds
     of their own, nor padded contexts: its prefill line prices both, over summed tokens."""
     d0, d1, d2 = fit([[1, n, c] for n, c, _ in engine["decode"]], [t for *_, t in engine["decode"]])
     admissions = [(n, 0, t) for n, t in engine["prefill"]] + [tuple(m) for m in engine.get("merge", [])]
@@ -421,11 +430,13 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
                  summed: bool = False, shapes: dict | None = None) -> dict:
     """Play every mode of one bench_async results file with the cost model ``measured``: its rows (measured and
     simulated samples/s and ratios to ``colocated_t1``, phases, set-asides), the uniform share and fitted factors.
-    ``task_only`` and ``shapes`` (mode -> its groups' shapes in another run): see :func:`mode_setup`; ``summed``: contexts summed and no merge even where the cost model
-    measured a padded cache."""
+    ``task_only`` and ``shapes`` (mode -> its groups' shapes in another run): see :func:`mode_setup`.
+    ``summed``: the engine model before 2026-11-28 with this cost model's coefficients: contexts summed, no merge,
+    the rebuild priced on the admissions' prefill line."""
     if summed:
-        measured = {k: {**v, "padded_cache": False, "merge_per_token_s": 0.0} if k.startswith("threads") else v
-                    for k, v in measured.items()}
+        drop = ("rebuild_prefill_s", "rebuild_prefill_per_token_s")
+        measured = {k: {**{f: x for f, x in v.items() if f not in drop}, "padded_cache": False,
+                        "merge_per_token_s": 0.0} if k.startswith("threads") else v for k, v in measured.items()}
     runs = json.loads(results_file.read_text())["runs"]
     if "colocated_t1" not in runs:
         raise SystemExit(f"{results_file}: no colocated_t1 run to take ratios against")
@@ -552,8 +563,9 @@ def main() -> None:
     ap.add_argument("--task-lengths", action="store_true", help="with --check: each sample draws its own response "
                     "length from the task and every prompt is the mean one, even where the run recorded its groups' "
                     "shapes (the workload before 2026-11-28)")
-    ap.add_argument("--summed-context", action="store_true", help="with --check: price contexts summed, with no "
-                    "merge, even where the cost model measured the engine's padded cache (the model before)")
+    ap.add_argument("--summed-context", action="store_true", help="with --check: the engine model before "
+                    "2026-11-28 with this cost model's coefficients: contexts summed, no merge, the rebuild on the "
+                    "admissions' prefill line")
     ap.add_argument("--_child")
     ap.add_argument("--_threads", type=int, default=1)
     ap.add_argument("--_model", type=Path)

@@ -279,23 +279,29 @@ def test_decode_steps_played_in_chunks_cost_exactly_what_they_cost_one_by_one() 
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_padded_cache_prices_every_row_as_the_longest_and_an_admission_merges_the_running_cache(padded) -> None:
-    """hpcrl's embedded engine keeps one left-padded cache: a decode step over rows of unequal age costs rows times
-    the longest, and a group admitted into a running batch copies the running cache (Costs.padded_cache)."""
+    """hpcrl's embedded engine keeps one left-padded cache: the rebuild after new weights, an admission's prefill
+    and a decode step over rows of unequal age cost rows times the longest, and groups admitted into a running
+    batch copy the running cache (Costs.padded_cache)."""
     from hpcrl.sim.pipeline import _Group, _Row
 
-    costs = dataclasses.replace(ZERO, decode_per_context_token_s=1e-5, prefill_s=1e-3, merge_per_token_s=1e-6,
-                                padded_cache=padded, weights_poll_s=1.0)
-    work = Workload(steps=1, batch_groups=1, group_size=2, max_batch_rows=4, max_staleness=4, queued_groups=0,
+    costs = dataclasses.replace(ZERO, decode_per_context_token_s=1e-5, prefill_s=1e-3, prefill_per_token_s=1e-4,
+                                rebuild_prefill_s=2e-3, rebuild_prefill_per_token_s=3e-5, merge_per_token_s=1e-6,
+                                padded_cache=padded)
+    work = Workload(steps=2, batch_groups=1, group_size=2, max_batch_rows=6, max_staleness=4, queued_groups=0,
                     prompt_tokens=10, response_tokens=(8,))
     pipe = Pipeline(work, costs)
     replica, old = pipe.replicas[0], _Group(ticket=0, rows_left=2, prompt=10)
+    short, long = _Group(ticket=1, rows_left=2, prompt=6), _Group(ticket=2, rows_left=2, prompt=14)
     replica.rows = [_Row(old, 8, done=5), _Row(old, 8, done=1)]
-    pipe.ledger.created = 1
-    replica._step()  # admits ticket 1's two rows beside the running two, then decodes one step over four
-    assert [r.group.ticket for r in replica.rows] == [0, 0, 1, 1] and pipe.prefill_calls == 1
-    merged = 4 * (10 + 5)  # four rows, each as long as the longest running one
-    assert replica._parts["admit_prefill"] == pytest.approx(1e-3 + (1e-6 * merged if padded else 0.0))
-    context = 4 * (10 + 5) if padded else 4 * 10 + 5 + 1
+    replica.waiting = [_Row(short, 8), _Row(short, 8), _Row(long, 8), _Row(long, 8)]
+    pipe.ledger.created, pipe.version = 99, 1  # no ticket to take; new weights to load
+    replica._step()  # rebuilds the running two, admits both waiting groups in one call, decodes one step over six
+    assert [r.group.ticket for r in replica.rows] == [0, 0, 1, 1, 2, 2] and pipe.prefill_calls == 2
+    rebuilt = 2 * 15 if padded else 15 + 11
+    assert replica._parts["rebuild_prefill"] == pytest.approx(2e-3 + 3e-5 * rebuilt)
+    prefilled, merged = (2 * 14, 6 * 15) if padded else (6 + 14, 0)  # merged: six rows as long as the longest
+    assert replica._parts["admit_prefill"] == pytest.approx(1e-3 + 1e-4 * prefilled + 1e-6 * merged)
+    context = 6 * 15 if padded else 15 + 11 + 6 + 6 + 14 + 14
     assert replica._parts["decode"] == pytest.approx(1e-5 * context)
 
 

@@ -108,8 +108,8 @@ class Workload:
     # response lengths, drawn uniformly at random from this list per sample (repeat a length to weight it)
     response_tokens: tuple[int, ...] = (8,)
     # one draw per group instead: an entry is a group's prompt tokens and its samples' response tokens, as a
-    # measured run's groups had them (a sample generated again draws one of its group's lengths; a shape of
-    # another size than group_size, each sample one); empty: every prompt is prompt_tokens long and each sample
+    # measured run's groups had them (a sample generated again, or every sample of a shape whose size is not
+    # group_size, draws one of its group's lengths); empty: every prompt is prompt_tokens long and each sample
     # draws its own length from response_tokens
     group_shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # share of groups whose samples all got the same reward: GRPO leaves them out of the loss

@@ -73,7 +73,8 @@ class _Group:
 
     def restart_doomed(self, floor: int, length: Callable[[_Group], int]) -> list[_Row]:
         """Take back the finished rows whose first token is older than ``floor`` (the group's file would only be
-        set aside); returns the rows that generate them again (as hpcrl's worker does), ``length`` long."""
+        set aside); returns the rows that generate them again (as hpcrl's worker does), each as long as
+        ``length(group)`` says."""
         doomed = [r for r in self.finished if r.head < floor]
         for r in doomed:
             self.finished.remove(r)
@@ -227,8 +228,8 @@ class Pipeline:
 
     def row_lengths(self, group: _Group) -> list[int]:
         """The response tokens of a new group's samples: its shape's, or each one's own draw."""
-        if len(group.lengths) == self.work.group_size:
-            return list(group.lengths)
+        if len(group.lengths) == self.work.group_size:  # in a random order: an engine short of rows takes the first
+            return self.rng.sample(group.lengths, len(group.lengths))
         return [self.row_length(group) for _ in range(self.work.group_size)]
 
     def row_length(self, group: _Group) -> int:
