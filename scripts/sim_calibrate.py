@@ -119,50 +119,55 @@ def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
     """Decode steps over a grid of batch sizes; prefill against tokens, into an empty engine and into a running
     batch (whose cache is merged with the new rows'); the rebuild after new weights; a state dict load. Every
     context is counted as the engine's left-padded cache holds it: rows times the longest (``padded``)."""
-    from hpcrl.rollout.engine import Request
-
     engine, rng = _engine(model_path), random.Random(0)
-    decode, prefill, merge, rebuild, load = [], [], [], [], []
-    padded = lambda: engine.num_running() * max((len(s.tokens()) for s in engine._running), default=0)  # noqa: E731
+    records: dict[str, list] = {"decode": [], "load": [], "prefill": [], "merge": [], "rebuild": []}
     deadline = time.monotonic() + seconds
     while True:
         for rows in (1, 8, 16, 32, 48, 64):
-            groups = max(1, rows // G)
-            prompts = [[rng.randrange(3, 60) for _ in range(rng.randint(8, 29))] for _ in range(groups)]
-            for g, prompt in enumerate(prompts):
-                for i in range(min(G, rows)):
-                    engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
-            before = engine.stats["admit_prefill_s"]
-            engine.poll()  # admission (one prefill call over each prompt) + a decode step
-            # each prompt as long as the longest, counted whole (its pending token too), as the simulator counts it
-            prefill.append((groups * max(map(len, prompts)), engine.stats["admit_prefill_s"] - before))
-            for step in range(MAX_NEW - 1):
-                n, ctx, before = engine.num_running(), padded(), engine.stats["admit_prefill_s"]
-                t0 = time.perf_counter()
-                engine.poll()
-                polled, admit = time.perf_counter() - t0, engine.stats["admit_prefill_s"] - before
-                if admit > 0:  # a group admitted into the running batch (below): its prefill and the merge
-                    merge.append((len(late), (n + G) * max(ctx // n, len(late)), admit))
-                else:
-                    decode.append((n, ctx, polled))
-                if step == LATE_AFTER and n + G <= ROWS:  # one more group, entering at the next poll
-                    late = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
-                    for i in range(G):  # its tokens: one a poll from step LATE_AFTER + 1 to the last, MAX_NEW - 2
-                        engine.submit(Request(("late", i), late, max_new_tokens=MAX_NEW - LATE_AFTER - 2))
-                if step == 10:  # new weights mid-generation: the cache is rebuilt over every running row
-                    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
-                    before, tokens = engine.stats["rebuild_prefill_s"], padded()
-                    t0 = time.perf_counter()
-                    engine.load_state_dict(state, engine.version + 1)
-                    total = time.perf_counter() - t0
-                    prefilled = engine.stats["rebuild_prefill_s"] - before
-                    rebuild.append((tokens, prefilled))
-                    load.append(total - prefilled)
-            if engine.num_running():
-                raise RuntimeError("the calibration's batch did not finish with its grid point")
+            _measure_batch(engine, rng, rows, records)
         if time.monotonic() >= deadline:
-            return {"decode": decode, "load": load, "prefill": prefill, "merge": merge, "rebuild": rebuild,
-                    "padded": True}
+            return {**records, "padded": True}
+
+
+def _measure_batch(engine, rng: random.Random, rows: int, records: dict[str, list]) -> None:
+    """One grid point of :func:`measure_engine`: ``rows`` rows admitted into an empty engine, decoded to the end,
+    one more group admitted into the running batch after LATE_AFTER steps and new weights loaded after 10."""
+    from hpcrl.rollout.engine import Request
+
+    padded = lambda: engine.num_running() * max((len(s.tokens()) for s in engine._running), default=0)  # noqa: E731
+    groups = max(1, rows // G)
+    prompts = [[rng.randrange(3, 60) for _ in range(rng.randint(8, 29))] for _ in range(groups)]
+    for g, prompt in enumerate(prompts):
+        for i in range(min(G, rows)):
+            engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
+    before = engine.stats["admit_prefill_s"]
+    engine.poll()  # admission (one prefill call over each prompt) + a decode step
+    # each prompt as long as the longest, counted whole (its pending token too), as the simulator counts it
+    records["prefill"].append((groups * max(map(len, prompts)), engine.stats["admit_prefill_s"] - before))
+    for step in range(MAX_NEW - 1):
+        n, ctx, before = engine.num_running(), padded(), engine.stats["admit_prefill_s"]
+        t0 = time.perf_counter()
+        engine.poll()
+        polled, admit = time.perf_counter() - t0, engine.stats["admit_prefill_s"] - before
+        if admit > 0:  # a group admitted into the running batch (below): its prefill and the merge
+            records["merge"].append((len(late), (n + G) * max(ctx // n, len(late)), admit))
+        else:
+            records["decode"].append((n, ctx, polled))
+        if step == LATE_AFTER and n + G <= ROWS:  # one more group, entering at the next poll
+            late = [rng.randrange(3, 60) for _ in range(rng.randint(8, 29))]
+            for i in range(G):  # its tokens: one a poll from step LATE_AFTER + 1 to the last, MAX_NEW - 2
+                engine.submit(Request(("late", i), late, max_new_tokens=MAX_NEW - LATE_AFTER - 2))
+        if step == 10:  # new weights mid-generation: the cache is rebuilt over every running row
+            state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+            before, tokens = engine.stats["rebuild_prefill_s"], padded()
+            t0 = time.perf_counter()
+            engine.load_state_dict(state, engine.version + 1)
+            total = time.perf_counter() - t0
+            prefilled = engine.stats["rebuild_prefill_s"] - before
+            records["rebuild"].append((tokens, prefilled))
+            records["load"].append(total - prefilled)
+    if engine.num_running():
+        raise RuntimeError("the calibration's batch did not finish with its grid point")
 
 
 def _groups(rng: random.Random, scale: int):
