@@ -102,7 +102,7 @@ def run_mode(name: str, extra: list[str], steps: int, workdir: Path) -> Path:
 
 def spool_scan(run_dir: Path) -> tuple[Counter, float, int, list[str]]:
     """Per-token staleness histogram of every trained file, the time it takes to read them all, and each group's
-    shape: ``"<prompt tokens>:<each sample's response tokens, sorted>"`` (the workload the simulator plays)."""
+    shape (the workload the simulator plays, :func:`group_shape`)."""
     sys.path.insert(0, str(ROOT))
     from hpcrl.spool.format import read_group
 
@@ -117,8 +117,18 @@ def spool_scan(run_dir: Path) -> tuple[Counter, float, int, list[str]]:
             n += 1
             for s in g.samples:
                 hist.update((step - s.versions).tolist())
-            shapes.append(f"{len(g.prompt_ids)}:" + ",".join(map(str, sorted(len(s.response_ids) for s in g.samples))))
+            shapes.append(group_shape(len(g.prompt_ids), [s.response_ids.tolist() for s in g.samples]))
     return hist, read_s, n, sorted(shapes)
+
+
+def group_shape(prompt: int, responses: list[list[int]]) -> str:
+    """``"<prompt tokens>:<each response's tokens>:<the tokens each two neighbours share>"``: the responses in the
+    order of their token ids, so that each shares its longest prefix with a neighbour (the engine prefills a
+    context its rows have in common once: what the simulator's rebuild after new weights counts)."""
+    ordered = sorted(map(tuple, responses))
+    shared = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(ordered, ordered[1:])]
+    return f"{prompt}:" + ",".join(str(len(r)) for r in ordered) + ":" + ",".join(map(str, shared))
 
 
 def analyse(run_dir: Path) -> dict:
@@ -146,7 +156,7 @@ def analyse(run_dir: Path) -> dict:
            "update_s_per_step": tot["update"] / len(steps),
            # groups set aside because they went past eta, their tickets generated again (the trainer's count)
            "stale_set_asides": steps[-1].get("groups/dropped_stale", 0),
-           # every trained group's prompt and response lengths (over rounds: the first round's)
+           # every trained group's prompt, response lengths and shared prefixes (over rounds: the first round's)
            "group_shapes": shapes}
     stats_file = run_dir / "logs" / "rollout-0.stats.json"
     if stats_file.exists():

@@ -87,10 +87,14 @@ def task_lengths(n: int = 4096, seed: int = 0) -> tuple[list[int], float]:
     return [min(n + 1, MAX_NEW) for n in lengths], float(np.mean([n + 5 for n in lengths]))
 
 
-def group_shapes(run: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The trained groups' prompt and response lengths a bench_async run recorded (``group_shapes``)."""
-    return tuple((int(p), tuple(max(1, int(n)) for n in lengths.split(",")))  # an empty response: one token
-                 for p, lengths in (shape.split(":") for shape in run.get("group_shapes", ())))
+def group_shapes(run: dict) -> tuple[tuple, ...]:
+    """The trained groups' prompt and response lengths a bench_async run recorded (``group_shapes``), with the
+    prefixes each two neighbours share where it recorded them (Workload.group_shapes)."""
+    shapes = []
+    for prompt, lengths, *shared in (shape.split(":") for shape in run.get("group_shapes", ())):
+        shape = (int(prompt), tuple(max(1, int(n)) for n in lengths.split(",")))  # an empty response: one token
+        shapes.append((*shape, tuple(int(n) for n in shared[0].split(",") if n)) if shared else shape)
+    return tuple(shapes)
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:

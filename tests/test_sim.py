@@ -282,7 +282,7 @@ def test_a_padded_cache_prices_every_row_as_the_longest_and_an_admission_merges_
     """hpcrl's embedded engine keeps one left-padded cache: the rebuild after new weights, an admission's prefill
     and a decode step over rows of unequal age cost rows times the longest, and groups admitted into a running
     batch copy the running cache (Costs.padded_cache)."""
-    from hpcrl.sim.pipeline import _Group, _Row
+    from hpcrl.sim.rows import Group, Row
 
     costs = dataclasses.replace(ZERO, decode_per_context_token_s=1e-5, prefill_s=1e-3, prefill_per_token_s=1e-4,
                                 rebuild_prefill_s=2e-3, rebuild_prefill_per_token_s=3e-5, merge_per_token_s=1e-6,
@@ -290,10 +290,10 @@ def test_a_padded_cache_prices_every_row_as_the_longest_and_an_admission_merges_
     work = Workload(steps=2, batch_groups=1, group_size=2, max_batch_rows=6, max_staleness=4, queued_groups=0,
                     prompt_tokens=10, response_tokens=(8,))
     pipe = Pipeline(work, costs)
-    replica, old = pipe.replicas[0], _Group(ticket=0, rows_left=2, prompt=10)
-    short, long = _Group(ticket=1, rows_left=2, prompt=6), _Group(ticket=2, rows_left=2, prompt=14)
-    replica.rows = [_Row(old, 8, done=5), _Row(old, 8, done=1)]
-    replica.waiting = [_Row(short, 8), _Row(short, 8), _Row(long, 8), _Row(long, 8)]
+    replica, old = pipe.replicas[0], Group(ticket=0, rows_left=2, prompt=10)
+    short, long = Group(ticket=1, rows_left=2, prompt=6), Group(ticket=2, rows_left=2, prompt=14)
+    replica.rows = [Row(old, 8, done=5), Row(old, 8, done=1)]
+    replica.waiting = [Row(short, 8), Row(short, 8), Row(long, 8), Row(long, 8)]
     pipe.ledger.created, pipe.version = 99, 1  # no ticket to take; new weights to load
     replica._step()  # rebuilds the running two, admits both waiting groups in one call, decodes one step over six
     assert [r.group.ticket for r in replica.rows] == [0, 0, 1, 1, 2, 2] and pipe.prefill_calls == 2
@@ -303,6 +303,38 @@ def test_a_padded_cache_prices_every_row_as_the_longest_and_an_admission_merges_
     assert replica._parts["admit_prefill"] == pytest.approx(1e-3 + 1e-4 * prefilled + 1e-6 * merged)
     context = 6 * 15 if padded else 15 + 11 + 6 + 6 + 14 + 14
     assert replica._parts["decode"] == pytest.approx(1e-5 * context)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_rebuild_prefills_a_context_the_rows_of_a_group_share_once(padded) -> None:
+    """Rows of one group ``d`` tokens in hold one context when their responses agree on the first ``d - 1``
+    (the shape's shared prefixes: the least over the neighbours between two rows); the rebuild after new weights
+    prefills it once, the decode step still runs every row (hpcrl's engine: ``_prefill_shared``). A sample drawn
+    again, or a group whose shape did not record what its rows share, holds its own."""
+    from hpcrl.sim.rows import Group, Row, distinct_rows
+
+    # responses in token order, lengths 5, 5, 9, 6; neighbours share 5, 2 and 1 tokens
+    group = Group(ticket=0, rows_left=4, prompt=10, lengths=(5, 5, 9, 6), shared=(5, 2, 1))
+    rows = lambda done: [Row(group, n, done=done, index=i) for i, n in enumerate(group.lengths)]  # noqa: E731
+    assert [len(distinct_rows(rows(d))) for d in (1, 2, 3, 4)] == [1, 1, 2, 3]  # 3 in: two held, the last differs
+    assert len(distinct_rows(rows(3)[::2])) == 1  # rows 0 and 2 agree on the least between them, 2 tokens
+    unknown = Group(ticket=1, rows_left=2, prompt=10, lengths=(5, 5))
+    again = Row(group, 5, done=3)  # a sample generated again: its own
+    assert len(distinct_rows([*rows(3), again, Row(unknown, 5, done=3, index=0), Row(unknown, 5, done=3, index=1)])) \
+        == 2 + 1 + 2
+    costs = dataclasses.replace(ZERO, decode_per_context_token_s=1e-5, rebuild_prefill_s=2e-3,
+                                rebuild_prefill_per_token_s=3e-5, padded_cache=padded)
+    pipe = Pipeline(Workload(steps=2, batch_groups=1, group_size=4, max_batch_rows=8, max_staleness=4), costs)
+    replica = pipe.replicas[0]
+    replica.rows, pipe.ledger.created, pipe.version = [*rows(4), again], 99, 1
+    replica._step()  # rebuilds: three contexts of the group, 10 + 4 tokens each, and the sample drawn again
+    assert replica._parts["rebuild_prefill"] == pytest.approx(2e-3 + 3e-5 * (4 * 14 if padded else 3 * 14 + 13))
+    assert replica._parts["decode"] == pytest.approx(1e-5 * (5 * 14 if padded else 4 * 14 + 13))
+    shapes = ((10, (5, 5, 9, 6), (5, 2, 1)), (6, (3, 3, 3, 3), (3, 3, 3)))  # whole runs play such shapes
+    assert simulate(dataclasses.replace(pipe.work, group_shapes=shapes), costs).tokens in {2 * 25, 25 + 12, 2 * 12}
+    for bad in ((10, (5, 5), (6,)), (10, (5, 5, 9), (5,))):  # longer than a neighbour; one too few
+        with pytest.raises(ValueError, match="shared prefixes"):
+            Workload(group_shapes=(bad,))
 
 
 def test_groups_drawn_whole_from_measured_shapes_keep_their_prompt_and_their_samples_lengths() -> None:
@@ -599,8 +631,9 @@ def test_the_calibration_prices_a_merge_and_a_rebuild_apart_from_an_admission_in
 
 
 def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(tmp_path, monkeypatch) -> None:
-    """bench_async's spool scan keeps every trained group's prompt and response lengths; sim_calibrate reads them
-    back as the workload it plays for that run."""
+    """bench_async's spool scan keeps every trained group's prompt, its responses' lengths in the order of their
+    tokens and the prefix each two neighbours share; sim_calibrate reads them back as the workload it plays for that
+    run (a shape recorded before the shared prefixes were: lengths only)."""
     import numpy as np
 
     from chaos_script import ROOT, load_script
@@ -610,12 +643,14 @@ def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(
     bench, cal = load_script("bench_async"), load_script("sim_calibrate")
     step = tmp_path / "spool" / "trained" / "step_000003"
     step.mkdir(parents=True)
-    for ticket, (prompt, lengths) in enumerate([(7, (3, 1, 2)), (12, (5, 5, 9))]):
-        samples = [Sample(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.full(n, 2, np.int32),
-                          np.ones(n, np.uint8), 0.0, "stop") for n in lengths]
+    groups = [(7, [[4, 4, 4], [2], [2, 5]]), (12, [[1, 2, 9, 9, 9, 9, 9, 9, 9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])]
+    for ticket, (prompt, responses) in enumerate(groups):
+        samples = [Sample(np.array(r, np.int32), np.zeros(len(r), np.float32), np.full(len(r), 2, np.int32),
+                          np.ones(len(r), np.uint8), 0.0, "stop") for r in responses]
         group = TrajectoryGroup(ticket, "r0", np.arange(prompt, dtype=np.int32), samples)
         write_group(step / file_name(group), group)
     hist, _, files, shapes = bench.spool_scan(tmp_path)
-    assert files == 2 and shapes == ["12:5,5,9", "7:1,2,3"] and hist == {1: 6 + 19}
-    assert cal.group_shapes({"group_shapes": shapes}) == ((12, (5, 5, 9)), (7, (1, 2, 3)))
+    assert files == 2 and shapes == ["12:5,5,9:5,2", "7:1,2,3:1,0"] and hist == {1: 6 + 19}
+    assert cal.group_shapes({"group_shapes": shapes}) == ((12, (5, 5, 9), (5, 2)), (7, (1, 2, 3), (1, 0)))
+    assert cal.group_shapes({"group_shapes": ["7:3,0,2"]}) == ((7, (3, 1, 2)),)
     assert cal.group_shapes({}) == ()

@@ -110,8 +110,11 @@ class Workload:
     # one draw per group instead: an entry is a group's prompt tokens and its samples' response tokens, as a
     # measured run's groups had them (a sample generated again, or every sample of a shape whose size is not
     # group_size, draws one of its group's lengths); empty: every prompt is prompt_tokens long and each sample
-    # draws its own length from response_tokens
-    group_shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # draws its own length from response_tokens. An entry may carry a third list, the response tokens each two
+    # neighbours in its lengths share (the responses in the order of their token ids, as bench_async records
+    # them): rows of a group whose responses agree on every token so far hold one context, which the rebuild
+    # after new weights prefills once
+    group_shapes: tuple[tuple[int, tuple[int, ...]] | tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
     # share of groups whose samples all got the same reward: GRPO leaves them out of the loss
     # (algo.drop_uniform_groups), so the trainer reads them but does not train their tokens
     uniform_share: float = 0.0
@@ -137,6 +140,11 @@ class Workload:
         bad = [s for s in self.group_shapes if s[0] < 1 or not s[1] or min(s[1]) < 1]
         if bad:
             raise ValueError(f"group_shapes: each a prompt >= 1 and a non-empty list of lengths >= 1, got {bad[0]}")
+        bad = [s for s in self.group_shapes if len(s) > 2 and (
+            len(s[2]) != len(s[1]) - 1 or any(not 0 <= c <= min(a, b) for c, a, b in zip(s[2], s[1], s[1][1:])))]
+        if bad:
+            raise ValueError("group_shapes: a shape's shared prefixes are one fewer than its lengths, each at most "
+                             f"the shorter neighbour's length, got {bad[0]}")
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: colocated or disaggregated, got {self.mode!r}")
         if self.kv_on_update not in ("recompute", "keep"):

@@ -15,7 +15,8 @@ measured:
   ``G`` free rows.
 * **A replica** runs engine steps back to back: look for new weights every
   ``weights_poll_s`` (load them; in ``recompute`` mode prefill every
-  in-flight row's prompt and tokens again), admit what fits (one prefill call
+  in-flight row's prompt and tokens again, a context rows of one group
+  share once: :func:`~hpcrl.sim.rows.distinct_rows`), admit what fits (one prefill call
   for the groups admitted together, each group's prompt once), decode one
   token on every active row. With a left-padded cache (``Costs.padded_cache``,
   hpcrl's embedded engine) every row costs as much as the longest, and an
@@ -51,46 +52,10 @@ import heapq
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 from hpcrl.sim.model import Costs, Result, Workload
-
-
-@dataclass
-class _Group:
-    ticket: int
-    rows_left: int
-    prompt: int = 0  # its prompt's tokens
-    lengths: tuple[int, ...] = ()  # its samples' response tokens (Workload.group_shapes); (): each draws its own
-    tokens: int = 0  # response tokens generated so far, all rows
-    versions: Counter = field(default_factory=Counter)  # weights version -> tokens generated with it
-    finished: list[_Row] = field(default_factory=list)  # its rows done so far
-
-    @property
-    def min_version(self) -> int:
-        return min(self.versions)
-
-    def restart_doomed(self, floor: int, length: Callable[[_Group], int]) -> list[_Row]:
-        """Take back the finished rows whose first token is older than ``floor`` (the group's file would only be
-        set aside); returns the rows that generate them again (as hpcrl's worker does), each as long as
-        ``length(group)`` says."""
-        doomed = [r for r in self.finished if r.head < floor]
-        for r in doomed:
-            self.finished.remove(r)
-            self.tokens -= r.length
-            self.versions -= r.versions
-            self.rows_left += 1
-        return [_Row(self, length(self)) for _ in doomed]
-
-
-@dataclass
-class _Row:
-    group: _Group
-    length: int  # response tokens it will generate
-    done: int = 0
-    head: int | None = None  # the version of its first token
-    versions: Counter = field(default_factory=Counter)  # weights version -> its tokens generated with it
+from hpcrl.sim.rows import Group, Row, distinct_rows
 
 
 class _Ledger:
@@ -120,7 +85,7 @@ class Pipeline:
         self.ledger = _Ledger(work)
         self.colocated = work.mode == "colocated"
         self.version = 0  # the trainer's published version
-        self.ready: list[_Group] = []
+        self.ready: list[Group] = []
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
@@ -141,7 +106,7 @@ class Pipeline:
         makes no step in ``stall_events`` events (default: 2M or four times the decode steps of the longest
         response on every replica, whichever is larger; replicas failing before they finish anything, say) is a
         stall and raises."""
-        longest = max([*self.work.response_tokens, *(n for _, lengths in self.work.group_shapes for n in lengths)])
+        longest = max([*self.work.response_tokens, *(n for shape in self.work.group_shapes for n in shape[1])])
         limit = stall_events or max(2_000_000, 4 * self.work.replicas * longest)
         for r in self.replicas:
             r.start()
@@ -166,7 +131,7 @@ class Pipeline:
         return self.costs.shared_slowdown if (self.work.shared_cores and other_busy) else 1.0
 
     # -- the trainer --------------------------------------------------------------------------------
-    def offer(self, group: _Group) -> None:
+    def offer(self, group: Group) -> None:
         self.offered += 1
         self.ready.append(group)
         self.try_train()
@@ -192,7 +157,7 @@ class Pipeline:
         poll = 0.0 if self.colocated else self.costs.trainer_poll_s
         self.at(next_tick(self.waiting_since, self.now, poll), lambda: self._train(batch))
 
-    def _train(self, batch: list[_Group]) -> None:
+    def _train(self, batch: list[Group]) -> None:
         g_size = self.work.group_size
         trained = [g for g in batch if self.rng.random() >= self.work.uniform_share]  # uniform groups: no loss
         tokens = sum(g.tokens + g_size * g.prompt for g in trained)
@@ -218,21 +183,23 @@ class Pipeline:
         self.wake()
         self.try_train()
 
-    def new_group(self, ticket: int) -> _Group:
+    def new_group(self, ticket: int) -> Group:
         """Ticket ``ticket``'s group: its prompt and, with ``Workload.group_shapes``, its samples' lengths, drawn."""
         work = self.work
         if not work.group_shapes:
-            return _Group(ticket, work.group_size, prompt=work.prompt_tokens)
-        prompt, lengths = self.rng.choice(work.group_shapes)
-        return _Group(ticket, work.group_size, prompt=prompt, lengths=tuple(lengths))
+            return Group(ticket, work.group_size, prompt=work.prompt_tokens)
+        prompt, lengths, *shared = self.rng.choice(work.group_shapes)
+        return Group(ticket, work.group_size, prompt=prompt, lengths=tuple(lengths),
+                      shared=tuple(shared[0]) if shared else ())
 
-    def row_lengths(self, group: _Group) -> list[int]:
-        """The response tokens of a new group's samples: its shape's, or each one's own draw."""
+    def new_rows(self, group: Group) -> list[Row]:
+        """A new group's samples: its shape's, or each one's own draw."""
         if len(group.lengths) == self.work.group_size:  # in a random order: an engine short of rows takes the first
-            return self.rng.sample(group.lengths, len(group.lengths))
-        return [self.row_length(group) for _ in range(self.work.group_size)]
+            return [Row(group, group.lengths[i], index=i) for i in self.rng.sample(range(len(group.lengths)),
+                                                                                     len(group.lengths))]
+        return [Row(group, self.row_length(group)) for _ in range(self.work.group_size)]
 
-    def row_length(self, group: _Group) -> int:
+    def row_length(self, group: Group) -> int:
         """One sample's response tokens, drawn from its group's shape (or from the workload's lengths)."""
         return self.rng.choice(group.lengths or self.work.response_tokens)
 
@@ -249,14 +216,14 @@ class _Replica:
         self.pipe, self.index = pipe, index
         self.work, self.costs = pipe.work, pipe.costs
         self.version = 0
-        self.rows: list[_Row] = []  # in the engine
-        self.waiting: list[_Row] = []  # admitted, waiting for free rows (Workload.queued_groups)
+        self.rows: list[Row] = []  # in the engine
+        self.waiting: list[Row] = []  # admitted, waiting for free rows (Workload.queued_groups)
         self.busy = False  # a step is running
         self.up = True
         self.busy_s = 0.0
         self.next_poll = 0.0
         self.life = 0  # bumped at each failure: events of an earlier life are ignored
-        self._finishing: list[_Group] = []
+        self._finishing: list[Group] = []
         self._started = 0.0  # when the running step started
         self._parts: Counter = Counter()  # the running step's seconds by phase (added to the run's when it ends)
         self._idle_since = 0.0  # when it last found nothing to do (its sleeps between looks count from there)
@@ -291,7 +258,7 @@ class _Replica:
             self.next_poll = pipe.now + costs.weights_poll_s
             parts["weights"] += 0.0 if pipe.colocated else costs.weights_load_s  # colocated: loaded by the publish
             if work.kv_on_update == "recompute" and self.rows:
-                parts["rebuild_prefill"] += costs.rebuild(self._context())
+                parts["rebuild_prefill"] += costs.rebuild(self._context(distinct=True))
                 pipe.prefill_calls += 1
             self.version = pipe.version
             again = [row for g in {id(r.group): r.group for r in self.rows + self.waiting}.values()
@@ -307,7 +274,7 @@ class _Replica:
             if ticket is None:
                 break
             group = pipe.new_group(ticket)
-            self.waiting += [_Row(group, n) for n in pipe.row_lengths(group)]
+            self.waiting += pipe.new_rows(group)
             admitted, share = admitted + 1, share - 1
         parts["ledger"] += admitted * costs.admit_s
         free = work.max_batch_rows - len(self.rows)
@@ -321,7 +288,7 @@ class _Replica:
                 parts["admit_prefill"] += costs.merge_per_token_s * (len(self.rows) + len(entering)) * longest
             self.rows += entering
             pipe.prefill_calls += 1
-        finished: list[_Group] = []
+        finished: list[Group] = []
         if not self.rows:
             if sum(parts.values()) == 0:
                 self.busy, self._idle_since = False, pipe.now
@@ -342,7 +309,7 @@ class _Replica:
             if r.done < r.length:
                 continue
             if r.head < self.version - work.max_staleness:  # its head went stale: the worker generates it again
-                restarted.append(_Row(r.group, pipe.row_length(r.group)))
+                restarted.append(Row(r.group, pipe.row_length(r.group)))
                 continue
             r.group.tokens += r.length
             r.group.versions.update(r.versions)
@@ -357,10 +324,11 @@ class _Replica:
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
         self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
 
-    def _context(self) -> int:
-        """The tokens the running rows hold, as the engine's cache costs them (Costs.context)."""
-        held = [r.group.prompt + r.done for r in self.rows]
-        return self.costs.context(len(held), sum(held), max(held))
+    def _context(self, distinct: bool = False) -> int:
+        """The tokens the running rows hold, as the engine's cache costs them (Costs.context); ``distinct``: each
+        context once, however many rows hold it (:func:`distinct_rows`; the prefill that rebuilds the cache)."""
+        held = [r.group.prompt + r.done for r in (distinct_rows(self.rows) if distinct else self.rows)]
+        return self.costs.context(len(held), sum(held), max(r.group.prompt + r.done for r in self.rows))
 
     def _share(self) -> float:
         """Groups this replica may still take: unlimited, or with ``Workload.spread_tickets`` its even share of what
@@ -371,7 +339,7 @@ class _Replica:
         held = len({id(r.group) for r in self.rows + self.waiting})
         return math.ceil((work.max_staleness + 1) * work.batch_groups / work.replicas) - held
 
-    def _busy_for(self, slow: float, finished: list[_Group]) -> None:
+    def _busy_for(self, slow: float, finished: list[Group]) -> None:
         """Run this step's parts (times ``slow``, the shared-core slowdown); ``finished`` is handed over at its end."""
         self._parts = Counter({k: v * slow for k, v in self._parts.items()})
         cost = sum(self._parts.values())
@@ -387,7 +355,7 @@ class _Replica:
             self.busy_s += self.pipe.now - self._started
             self._started = self.pipe.now
 
-    def _stepped(self, life: int, finished: list[_Group]) -> None:
+    def _stepped(self, life: int, finished: list[Group]) -> None:
         if life != self.life:
             return
         self.busy_s += self.pipe.now - self._started
