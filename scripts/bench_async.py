@@ -165,6 +165,7 @@ def analyse(run_dir: Path) -> dict:
         out["generator_cpu_cores"], out["generator_cpu_threads"] = cores_busy(rs), rs.get("cpu_threads_s")
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
+        out["rollout_weights_first_s"] = rs.get("weights_first_s")  # joining the trainer's weights, in the split's
         out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
         out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]

@@ -397,6 +397,7 @@ def measured_phases(run: dict) -> dict[str, float]:
     loop = run["trainer_loop_s"]
     generating = run.get("rollout_wall_s") or run["rollout_busy"] * loop
     out = {phase: run["rollout_time_split"][k] * generating for k, phase in SPLIT_PHASES.items()}
+    out["rollout/weights"] -= run.get("rollout_weights_first_s") or 0.0  # joining, before the trainer's loop
     out["trainer/update"] = run["update_s_per_step"] * run["steps"]
     out["trainer/publish"] = run["publish_share"] * loop
     return out
@@ -422,7 +423,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
     publish = run["publish_share"] * run["trainer_loop_s"] / steps  # the trainer's publish per version, measured
     load = costs.weights_load_s
     if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
-        load = run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] / run["rollout_weight_updates"]
+        load = measured_phases(run)["rollout/weights"] / run["rollout_weight_updates"]  # not its first look (joining)
     alone = measured["threads1"]
     rebuild = {"rebuild_prefill_s": alone.get("rebuild_prefill_s", alone["prefill_s"]),  # one call over every row:
                "rebuild_prefill_per_token_s": alone.get("rebuild_prefill_per_token_s", alone["prefill_per_token_s"])}

@@ -384,3 +384,25 @@ def test_a_finished_episode_that_newer_weights_leave_behind_is_generated_again_n
     assert {index for index, _ in early} <= {g.ticket for g in groups}  # (version 1 admits tickets 2 and 3 too)
     for g in groups:  # every sample, the early ones included, holds version-1 tokens only
         assert all(s.versions.min() == 1 for s in g.samples), [s.versions for s in g.samples]
+
+
+class Joining(Versions):
+    """A weight source whose first look waits, as the collective transport's join waits for the trainer to admit
+    the rollout."""
+
+    joined = False
+
+    def latest_version(self) -> int:
+        if not self.joined:
+            time.sleep(0.3)
+            self.joined = True
+        return super().latest_version()
+
+
+def test_the_first_look_for_weights_is_counted_apart_from_the_looks_of_each_version(tmp_path) -> None:
+    """RolloutStats.weights_first_s: joining the trainer's weights happens once, before anything is generated; the
+    benchmark's per-version cost of new weights leaves it out (scripts/sim_calibrate.py)."""
+    worker, _ = make_worker(tmp_path, weights=lambda m: Joining(m, 0))
+    run_to_idle(worker)
+    s = worker.stats
+    assert s.weights_first_s >= 0.3 and s.weights_s - s.weights_first_s < 0.3 and s.samples_generated > 0

@@ -111,6 +111,9 @@ class RolloutStats:
     # to the writer thread or waiting for it, inside the busy time)
     busy_s: float = 0.0
     weights_s: float = 0.0
+    # of it, the first look, before anything was generated: joining the trainer's weights (the collective transport
+    # waits there until the trainer admits this rollout), not a cost of each version
+    weights_first_s: float | None = None
     admit_s: float = 0.0
     reward_s: float = 0.0
     spool_s: float = 0.0
@@ -179,6 +182,8 @@ class RolloutWorker:
             self._rescore()
         t2 = time.perf_counter()
         self.stats.weights_s += t1 - t0
+        if self.stats.weights_first_s is None:
+            self.stats.weights_first_s = t1 - t0
         self.stats.admit_s += t2 - t1
         generating, waiting = self.engine.num_in_flight() > 0, False
         if generating:
