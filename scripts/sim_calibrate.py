@@ -423,7 +423,9 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
     publish = run["publish_share"] * run["trainer_loop_s"] / steps  # the trainer's publish per version, measured
     load = costs.weights_load_s
     if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
-        load = measured_phases(run)["rollout/weights"] / run["rollout_weight_updates"]  # not its first look (joining)
+        joining = run.get("rollout_weights_first_s") or 0.0  # its first look, before the trainer's loop
+        load = (run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] - joining) \
+            / run["rollout_weight_updates"]
     alone = measured["threads1"]
     rebuild = {"rebuild_prefill_s": alone.get("rebuild_prefill_s", alone["prefill_s"]),  # one call over every row:
                "rebuild_prefill_per_token_s": alone.get("rebuild_prefill_per_token_s", alone["prefill_per_token_s"])}
