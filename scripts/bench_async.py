@@ -122,7 +122,7 @@ def spool_scan(run_dir: Path) -> tuple[Counter, float, int, list[str]]:
 
 
 def group_shape(prompt: int, responses: list[list[int]]) -> str:
-    """``"<prompt tokens>:<each response's tokens>:<the tokens each two neighbours share>"``: the responses in the
+    """``"<prompt tokens>:<each response's length>:<the tokens each two neighbours share>"``: the responses in the
     order of their token ids, so that each shares its longest prefix with a neighbour (the engine prefills a
     context its rows have in common once: what the simulator's rebuild after new weights counts)."""
     ordered = sorted(map(tuple, responses))
@@ -165,7 +165,7 @@ def analyse(run_dir: Path) -> dict:
         out["generator_cpu_cores"], out["generator_cpu_threads"] = cores_busy(rs), rs.get("cpu_threads_s")
         out["rollout_wall_s"] = rs["wall_s"]
         out["rollout_weight_updates"] = rs.get("weight_updates")
-        out["rollout_weights_first_s"] = rs.get("weights_first_s")  # joining the trainer's weights, in the split's
+        out["rollout_weights_first_s"] = rs.get("weights_first_s")  # joining the trainer's weights (in weights_s)
         out["rollout_stats"] = rs  # every counter and time of the rollout and its engine
         out["rollout_weights_share"] = rs["weights_s"] / rs["wall_s"]
         out["rollout_admit_spool_share"] = (rs["admit_s"] + rs["spool_s"]) / rs["wall_s"]

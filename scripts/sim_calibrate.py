@@ -395,11 +395,16 @@ def measured_phases(run: dict) -> dict[str, float]:
     """A bench_async run's seconds in each simulator phase (the rollout's split of its wall time, or of the
     colocated loop's generating time; the trainer's update and publish)."""
     loop = run["trainer_loop_s"]
-    generating = run.get("rollout_wall_s") or run["rollout_busy"] * loop
+    return {**measured_rollout_phases(run), "trainer/update": run["update_s_per_step"] * run["steps"],
+            "trainer/publish": run["publish_share"] * loop}
+
+
+def measured_rollout_phases(run: dict) -> dict[str, float]:
+    """The generating side's seconds in each simulator phase, its first look for weights left out (joining the
+    trainer's weights, before the trainer's loop starts)."""
+    generating = run.get("rollout_wall_s") or run["rollout_busy"] * run["trainer_loop_s"]
     out = {phase: run["rollout_time_split"][k] * generating for k, phase in SPLIT_PHASES.items()}
-    out["rollout/weights"] -= run.get("rollout_weights_first_s") or 0.0  # joining, before the trainer's loop
-    out["trainer/update"] = run["update_s_per_step"] * run["steps"]
-    out["trainer/publish"] = run["publish_share"] * loop
+    out["rollout/weights"] -= run.get("rollout_weights_first_s") or 0.0
     return out
 
 
@@ -423,9 +428,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
     publish = run["publish_share"] * run["trainer_loop_s"] / steps  # the trainer's publish per version, measured
     load = costs.weights_load_s
     if run.get("rollout_wall_s") and run.get("rollout_weight_updates"):  # the rollout's receive + load per version
-        joining = run.get("rollout_weights_first_s") or 0.0  # its first look, before the trainer's loop
-        load = (run["rollout_time_split"]["weights_transfer"] * run["rollout_wall_s"] - joining) \
-            / run["rollout_weight_updates"]
+        load = measured_rollout_phases(run)["rollout/weights"] / run["rollout_weight_updates"]
     alone = measured["threads1"]
     rebuild = {"rebuild_prefill_s": alone.get("rebuild_prefill_s", alone["prefill_s"]),  # one call over every row:
                "rebuild_prefill_per_token_s": alone.get("rebuild_prefill_per_token_s", alone["prefill_per_token_s"])}

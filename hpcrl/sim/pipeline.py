@@ -190,13 +190,13 @@ class Pipeline:
             return Group(ticket, work.group_size, prompt=work.prompt_tokens)
         prompt, lengths, *shared = self.rng.choice(work.group_shapes)
         return Group(ticket, work.group_size, prompt=prompt, lengths=tuple(lengths),
-                      shared=tuple(shared[0]) if shared else ())
+                     shared=tuple(shared[0]) if shared else ())
 
     def new_rows(self, group: Group) -> list[Row]:
         """A new group's samples: its shape's, or each one's own draw."""
-        if len(group.lengths) == self.work.group_size:  # in a random order: an engine short of rows takes the first
-            return [Row(group, group.lengths[i], index=i) for i in self.rng.sample(range(len(group.lengths)),
-                                                                                     len(group.lengths))]
+        n = len(group.lengths)
+        if n == self.work.group_size:  # in a random order: an engine short of rows takes the first
+            return [Row(group, group.lengths[i], index=i) for i in self.rng.sample(range(n), n)]
         return [Row(group, self.row_length(group)) for _ in range(self.work.group_size)]
 
     def row_length(self, group: Group) -> int:

@@ -51,7 +51,7 @@ class Row:
     versions: Counter = field(default_factory=Counter)  # weights version -> its tokens generated with it
 
 
-def distinct_rows(rows: list[_Row]) -> list[_Row]:
+def distinct_rows(rows: list[Row]) -> list[Row]:
     """One row for each context ``rows`` hold: rows of one group whose responses, ``d`` tokens in, agree on the
     ``d - 1`` the cache holds (their shape's shared prefixes say so) hold one context, which hpcrl's engine
     prefills once. A row without a place in its group's shape holds its own."""
