@@ -11,7 +11,8 @@ groups aside (the reason record, the ticket's reissue, the file's checks),
 claiming (reads the read-ahead had not done, renames, ledger checks,
 hand-overs), waking the read-ahead, listing ``ready/``. Prints the shares and
 the benchmark's own row (spool + admission share, stale set-asides) and
-writes both to ``--out``.
+writes both to ``--out``; ``--raw`` keeps py-spy's stacks, each frame with
+its line, for a closer look at one category.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rate", type=int, default=400, help="samples a second")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--raw", type=Path, help="also keep py-spy's raw stacks here (frames with their lines)")
     args = parser.parse_args(argv)
     if args.mode.startswith("colocated"):
         parser.error("a colocated mode has no trainer process of its own: profile an async or disagg mode")
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> str:
         row = {k: r[k] for k in ("spool_admission_share", "spool_share", "spool_tail_share", "stale_set_asides",
                                  "read_ahead_hit_rate", "trainer_loop_s", "samples_per_s")}
         text = report(categorize(raw.read_text().splitlines()), {"mode": args.mode, "steps": args.steps, **row})
+        if args.raw:
+            shutil.copyfile(raw, args.raw)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
