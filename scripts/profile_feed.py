@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.mode.startswith("colocated"):
         parser.error("a colocated mode has no trainer process of its own: profile an async or disagg mode")
+    if args.raw and not args.raw.parent.is_dir():  # found out before the benchmark runs, not after it
+        parser.error(f"--raw: no folder {args.raw.parent}")
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         raise SystemExit("py-spy not found: pip install -e '.[bench]'")

@@ -29,3 +29,15 @@ def test_samples_are_sorted_by_what_they_did_and_the_waits_left_out() -> None:
                       "claim: hand-over and checks": 1}
     text = prof.report(counts, {"mode": "async_eta1"})
     assert text.splitlines()[0].endswith(": 14") and "50.0 %      7  set-aside: reason record" in text
+
+
+def test_a_raw_path_without_its_folder_is_refused_before_the_benchmark_runs(tmp_path, monkeypatch) -> None:
+    import subprocess
+
+    import pytest
+
+    prof = load_script("profile_feed")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("the benchmark was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        prof.main(["--mode", "async_eta2_disk", "--raw", str(tmp_path / "missing" / "stacks.txt")])
+    assert exit_info.value.code == 2
