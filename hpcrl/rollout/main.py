@@ -55,6 +55,7 @@ from hpcrl.rollout.registry import episodes_of
 from hpcrl.rollout.server import EngineServerError
 from hpcrl.rollout.worker import RolloutWorker, ScoringUnavailable
 from hpcrl.spool.store import Spool
+from hpcrl.spool.taken import TakenMark
 from hpcrl.weights.transport import WeightTransport, open_transport
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                                    prep.init_model)
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     spool = Spool(run_dir / "spool", fence=fence)
+    colocated = cfg.launch.mode == "colocated"
     # the service's client, or the scorer itself (reward.service: the reward component scores for every rollout)
     reward = ServiceClient(cfg.reward, run_dir, writer or f"r{replica}") if cfg.reward.service else \
         build_scorer(cfg.reward)
@@ -91,7 +93,9 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                          ledger=ledger, spool=spool, reward=reward, writer=writer or f"r{replica}", weights=weights,
                          chat_template=cfg.data.chat_template, episodes=episodes,
                          infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s,
-                         fleet_size=(lambda: 1) if cfg.launch.mode == "colocated" else fleet_size(cfg, run_dir))
+                         fleet_size=(lambda: 1) if colocated else fleet_size(cfg, run_dir),
+                         # colocated: it generates only while its trainer waits, never with a batch in hand
+                         taken=None if colocated else TakenMark(spool.root).read)
 
 
 def run(run_dir: Path, replica: int) -> None:

@@ -33,7 +33,19 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    group still generating once newer weights leave it that far behind (looked
    at after each weight update): no group is published already stale against
    the weights in hand, for the trainer to set aside and have generated again
-   whole.
+   whole. With ``taken`` (the trainer's mark of the batch it has in hand,
+   :mod:`hpcrl.spool.taken`; the rollout job passes it, colocated mode, which
+   generates only while its trainer waits, does not) a group that completes
+   after the trainer took the batch of its oldest token's last trainable
+   version (its head ``max_staleness`` behind the version of that batch) is
+   not published either: its file could only be set aside. It is parked,
+   keeping its ticket, and at the next new weights all its episodes start
+   again under them, as the trainer's reissue would have had it generated
+   (restarting only the old episodes at once would leave the group's other
+   episodes aging while it waits: the simulator shows that costs more). The
+   mark is read only when a group completes whose head it could doom, at most
+   once per :meth:`pump`, and trusted at most one version past the weights in
+   hand.
 
 A group whose scoring failed for a reason that is not its samples' (a
 result with status ``infra_error``: the reward sandbox could not start) is
@@ -77,6 +89,7 @@ class _Group:
     row: Row
     prompt_ids: list[int]
     done: list[Episode | None]
+    parked: bool = False  # complete, but the batch the trainer took leaves it stale: generated again at new weights
 
 
 _MAX_RETRY_S = 30.0  # the longest a held group waits between two scorings
@@ -126,11 +139,13 @@ class RolloutWorker:
                  rows: list[Row], ledger: AdmissionLedger, spool: Spool, reward: Scorer, writer: str,
                  episodes: EpisodeRunner, weights: WeightTransport | None = None, chat_template: bool = False,
                  infra_retry_s: float = 2.0, infra_max_wait_s: float = 600.0,
-                 fleet_size: Callable[[], int] | None = None) -> None:
+                 fleet_size: Callable[[], int] | None = None, taken: Callable[[], int | None] | None = None) -> None:
         """``episodes``: what a sample is (:class:`~hpcrl.rollout.episodes.SingleTurn` scored by ``reward``, or an
         agent's episodes); ``reward``: the job's scorer, which the job closes; ``infra_retry_s`` and
         ``infra_max_wait_s``: how a group whose scoring failed is scored again (module docstring); ``fleet_size``:
-        the rollout replicas the run has now, for ``rollout.ticket_share=even`` (default ``rollout.replicas``)."""
+        the rollout replicas the run has now, for ``rollout.ticket_share=even`` (default ``rollout.replicas``);
+        ``taken``: reads the version whose batch the trainer has in hand (:meth:`TakenMark.read
+        <hpcrl.spool.taken.TakenMark.read>`; None: no such mark, the weights in hand alone bound staleness)."""
         self.cfg, self.admission = cfg, admission
         self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
         self.ledger, self.spool, self.reward, self.weights = ledger, spool, reward, weights
@@ -142,6 +157,8 @@ class RolloutWorker:
         self.stats = RolloutStats()
         self.publisher = BackgroundPublisher(spool, self._published)
         self.fleet_size = fleet_size or (lambda: cfg.replicas)
+        self.taken = taken
+        self._taken_seen: tuple[int | None] | None = None  # the mark as read in this pump (None: not read yet)
 
     def run(self, should_stop: Callable[[], bool], on_idle: Callable[[], None] | None = None) -> None:
         """Pump until ``should_stop()``; sleep briefly whenever there is nothing to do."""
@@ -175,6 +192,7 @@ class RolloutWorker:
     def pump(self) -> bool:
         """One iteration of the loop; False when blocked (no admission, nothing running)."""
         t0 = time.perf_counter()
+        self._taken_seen = None  # the trainer's mark is read again, if needed, in this pass
         self._maybe_update_weights()
         t1 = time.perf_counter()
         self._admit()
@@ -287,7 +305,10 @@ class RolloutWorker:
         self.stats.samples_generated += 1
         self.stats.tokens_generated += _trained_tokens(episode)
         if all(d is not None for d in group.done):
-            self._publish(self.groups.pop(index))
+            if self._left_behind(group):
+                group.parked = True
+            else:
+                self._publish(self.groups.pop(index))
 
     def _doomed(self, episode: Episode) -> bool:
         """Whether ``episode`` could never be trained now: its oldest token more than ``max_staleness`` versions
@@ -296,18 +317,33 @@ class RolloutWorker:
         lost = newest is not None and newest > self.engine.version
         return lost or (head is not None and head < self.engine.version - self.admission.max_staleness)
 
+    def _left_behind(self, group: _Group) -> bool:
+        """Whether the complete ``group`` is stale for every batch the trainer has still to take: its oldest token
+        ``max_staleness`` behind the version whose batch the trainer has in hand (the mark, trusted one version past
+        the weights in hand at most), or more."""
+        version, eta = self.engine.version, self.admission.max_staleness
+        head = min((e.head_version for e in group.done if e.head_version is not None), default=None)
+        if self.taken is None or head is None or head > version + 1 - eta:  # no batch it can have taken dooms it
+            return False
+        if self._taken_seen is None:
+            self._taken_seen = (self.taken(),)
+        taken = self._taken_seen[0]
+        return taken is not None and head < min(taken, version + 1) + 1 - eta
+
     def _restart_doomed(self, index: int, group: _Group) -> None:
         """Start again the finished episodes of ``group`` (still generating) that the weights just loaded leave
         doomed: published with them, its file would only be set aside by the trainer and the whole group generated
-        again. Their samples and tokens no longer count as generated. (A group held to be scored again keeps its
-        episodes: it is published as it is, and the trainer judges it.)"""
+        again; all its episodes if it is parked (:meth:`_left_behind`). Their samples and tokens no longer count as
+        generated. (A group held to be scored again keeps its episodes: it is published as it is, and the trainer
+        judges it.)"""
         for i, e in enumerate(group.done):
-            if e is not None and self._doomed(e):
+            if e is not None and (group.parked or self._doomed(e)):
                 group.done[i] = None
                 self.stats.samples_generated -= 1
                 self.stats.tokens_generated -= _trained_tokens(e)
                 self.stats.samples_restarted += 1
                 self.episodes.start((index, i), group.prompt_ids, group.row)
+        group.parked = False
 
     def _rescore(self) -> None:
         now = time.monotonic()

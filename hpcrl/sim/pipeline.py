@@ -25,7 +25,11 @@ measured:
   with its first token more than ``eta`` versions behind the replica's
   weights is generated again, and so is a finished row of a group still
   generating once new weights leave it that far behind (looked at when the
-  replica loads them; as hpcrl's worker does). With nothing to decode and
+  replica loads them; as hpcrl's worker does). A group that completes with
+  its oldest token ``eta`` behind the version whose batch the trainer has in
+  hand (its mark, :mod:`hpcrl.spool.taken`; not in colocated mode) is parked
+  instead, and all its rows start again when the replica next loads new
+  weights (:meth:`_Replica.left_behind`). With nothing to decode and
   no ticket it waits for the next version or a reissued ticket, which it
   sees at its next look (every ``rollout_idle_poll_s`` from when it went
   idle; at once when 0).
@@ -85,6 +89,7 @@ class Pipeline:
         self.ledger = _Ledger(work)
         self.colocated = work.mode == "colocated"
         self.version = 0  # the trainer's published version
+        self.taken = -1  # the version whose batch the trainer has in hand (hpcrl.spool.taken)
         self.ready: list[Group] = []
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
@@ -151,7 +156,7 @@ class Pipeline:
             return
         self.ready.sort(key=lambda g: (g.min_version, g.ticket))
         batch, self.ready = self.ready[: self.work.batch_groups], self.ready[self.work.batch_groups:]
-        self.trainer_busy = True
+        self.trainer_busy, self.taken = True, self.version
         # begins once the event that completed the batch is over (a replica handing its last group over is busy
         # until then, and only its next step says whether the rollout side is), at the waiting trainer's next look
         poll = 0.0 if self.colocated else self.costs.trainer_poll_s
@@ -224,6 +229,7 @@ class _Replica:
         self.next_poll = 0.0
         self.life = 0  # bumped at each failure: events of an earlier life are ignored
         self._finishing: list[Group] = []
+        self.parked: list[Group] = []  # complete but left behind (left_behind): generated again at new weights
         self._started = 0.0  # when the running step started
         self._parts: Counter = Counter()  # the running step's seconds by phase (added to the run's when it ends)
         self._idle_since = 0.0  # when it last found nothing to do (its sleeps between looks count from there)
@@ -263,6 +269,8 @@ class _Replica:
             self.version = pipe.version
             again = [row for g in {id(r.group): r.group for r in self.rows + self.waiting}.values()
                      for row in g.restart_doomed(self.version - work.max_staleness, pipe.row_length)]
+            again += [row for g in self.parked for row in g.restart_doomed(math.inf, pipe.row_length)]  # all rows
+            self.parked = []
             self.waiting += again  # finished rows the new weights leave behind, at once
             pipe.restarted += len(again)
         elif poll:
@@ -315,14 +323,22 @@ class _Replica:
             r.group.versions.update(r.versions)
             r.group.finished.append(r)
             r.group.rows_left -= 1
-            if r.group.rows_left == 0:
-                finished.append(r.group)
+            if r.group.rows_left == 0:  # complete: handed over, or parked if the batch taken left it behind
+                (self.parked if self.left_behind(r.group) else finished).append(r.group)
         self.rows = [r for r in self.rows if r.done < r.length]
         self.waiting += restarted  # at the end of the engine's queue, as a new request
         pipe.restarted += len(restarted)
         parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
         self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
+
+    def left_behind(self, group: Group) -> bool:
+        """Whether the complete ``group`` is stale for every batch the trainer has still to take: its oldest token
+        ``eta`` behind the version whose batch the trainer has in hand (trusted one version past this replica's
+        weights at most, as hpcrl's worker does). Colocated mode has no mark."""
+        if self.pipe.colocated:
+            return False
+        return group.min_version < min(self.pipe.taken, self.version + 1) + 1 - self.work.max_staleness
 
     def _context(self, distinct: bool = False) -> int:
         """The tokens the running rows hold, as the engine's cache costs them (Costs.context); ``distinct``: each
@@ -376,13 +392,13 @@ class _Replica:
             return
         self.life += 1
         # the groups in its engine, and those its running step finished but has not handed over yet
-        lost = {id(g): g for g in [r.group for r in self.rows + self.waiting]
+        lost = {id(g): g for g in [r.group for r in self.rows + self.waiting] + self.parked
                 + (self._finishing if self.busy else [])}
         self.stop()  # the step it was running counts up to the failure
         self.up, self.busy, self._look_due = False, False, False  # a look scheduled before is of the old life
         self.pipe.failures += 1
         self.pipe.ledger.reissued += sorted(g.ticket for g in lost.values())
-        self.rows, self.waiting, self._finishing = [], [], []
+        self.rows, self.waiting, self._finishing, self.parked = [], [], [], []
         if lost:
             self.pipe.wake()
         self.pipe.at(self.pipe.now + self.work.restart_s, self._restart)

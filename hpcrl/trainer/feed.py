@@ -62,6 +62,7 @@ from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.spool.format import TrajectoryGroup, read_group
 from hpcrl.spool.readahead import ReadAhead
 from hpcrl.spool.store import Spool, SpoolEntry
+from hpcrl.spool.taken import TakenMark
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class BatchFeed:
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
         self._trained: set[int] | None = None  # tickets in trained/, read on first use (after reconcile)
         self._batch: set[int] = set()  # tickets of the batch being assembled
+        self.taken = TakenMark(spool.root, spool.fence)  # tells the rollouts which batch is in hand
 
     @property
     def trained(self) -> set[int]:
@@ -186,6 +188,7 @@ class BatchFeed:
                 waited += time.monotonic() - t
                 arrived += news or 0
         self._pending = entries
+        self.taken.write(version)  # groups this batch leaves stale are generated again before they are published
         if self.ahead is not None:
             self.ahead.kick()  # the next batch's files are read while this one trains
         self.spool_s = time.monotonic() - start - waited
@@ -209,9 +212,11 @@ class BatchFeed:
             self.ahead.relist()  # not parsed yet, or unseen if it arrived within ready/'s timestamp tick
         return eligible[:n]
 
-    def start_reading(self) -> None:
-        """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
-        without the read-ahead. :meth:`next_batch` holds it in the pass that completes the batch."""
+    def start(self, version: int) -> None:
+        """The trainer starts (or resumed) at ``version``: the rollouts are told no batch of it is in hand yet
+        (:mod:`hpcrl.spool.taken`), and the read-ahead, if on, starts parsing the first batch's files while the
+        trainer starts up. :meth:`next_batch` holds it in the pass that completes the batch."""
+        self.taken.write(version - 1)
         if self.ahead is not None:
             self.ahead.kick()
 

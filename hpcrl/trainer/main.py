@@ -205,7 +205,7 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: 
             reporter.restore(meta)
         feed.ledger.sync_drop_count()  # the bound's drop count recounted (a crash may have cut it short)
         reconcile(start, feed, weights, state)
-        feed.start_reading()  # the first batch's files are parsed meanwhile (the initial evaluation, say)
+        feed.start(start)  # the first batch's files are parsed meanwhile (the initial evaluation, say)
     if ctx.world_size > 1:
         dist.barrier()
     return start
