@@ -3,7 +3,9 @@
 ``format`` defines one file (``TrajectoryGroup`` <-> HDF5, validated on read;
 ``h5io`` is its low-level HDF5 access, ``schema1`` reads the previous layout);
 ``store`` defines the directory life cycle (publish -> ready -> claimed ->
-trained | dropped | quarantine). See docs/spool-format.md.
+trained | dropped | quarantine); ``taken`` is the trainer's mark of the batch in
+hand, which rollouts read so as not to publish what it leaves stale. See
+docs/spool-format.md.
 """
 
 from hpcrl.spool.format import (

@@ -8,6 +8,7 @@ Layout under ``root`` (``<run_dir>/spool``)::
     trained/step_XXXXXX/    trained at that optimizer step (committed)
     dropped/                not trained on purpose; ``<name>.reason.json`` beside it
     quarantine/             failed validation; ``<name>.reason.json`` beside it
+    taken                   the version whose batch the trainer has in hand (:mod:`hpcrl.spool.taken`)
 
 Life cycle of one file: a rollout writes it in ``tmp/``, fsyncs it and
 renames it into ``ready/`` (``publish``), so a reader of ``ready/`` only ever

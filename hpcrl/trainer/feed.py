@@ -14,6 +14,10 @@ Ordering rules (rank 0 only):
   rejects (all rewards equal) is dropped with the reason ``uniform`` and
   recorded in the ledger, so admission lets a replacement in; taking goes on
   until B kept groups are in hand.
+* Once the batch is complete (never while it is assembled), ``spool/taken``
+  says so (:mod:`hpcrl.spool.taken`; :meth:`BatchFeed.start` writes the
+  version before the first one), so rollouts park rather than publish a group
+  that batch leaves stale.
 * A ready file with tokens newer than the trainer's version came from a
   policy lost when the trainer restarted from a checkpoint: it is set aside
   and its ticket reissued (see :mod:`hpcrl.trainer.reconcile`).
