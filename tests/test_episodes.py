@@ -138,7 +138,8 @@ class FlakyScoring(SingleTurn):
         return super().score(row, episodes)
 
 
-def make_worker(tmp_path: Path, runner_cls=None, weights=None, **kwargs) -> tuple[RolloutWorker, Spool]:
+def make_worker(tmp_path: Path, runner_cls=None, weights=None, max_staleness: int = 0,
+                **kwargs) -> tuple[RolloutWorker, Spool]:
     model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
                                                                      num_kv_heads=2, head_dim=16,
                                                                      intermediate_size=64))
@@ -148,7 +149,7 @@ def make_worker(tmp_path: Path, runner_cls=None, weights=None, **kwargs) -> tupl
                          pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
                          sampling=SamplingParams(max_new_tokens=4), seed=0)
     rows = [Row(prompt=f"{i}+{i}=", answer=str(2 * i), index=i) for i in range(4)]
-    admission = AdmissionConfig(batch_size=2, max_staleness=0)
+    admission = AdmissionConfig(batch_size=2, max_staleness=max_staleness)
     spool, reward = Spool(tmp_path / "spool"), RewardRunner(RewardConfig())
     runner = runner_cls(engine, tokenizer) if runner_cls else SingleTurn(engine, tokenizer, reward)
     worker = RolloutWorker(RolloutConfig(group_size=3, max_batch_size=8, max_new_tokens=4), admission,

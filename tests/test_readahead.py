@@ -225,13 +225,13 @@ def test_the_first_batch_is_read_ahead_while_the_trainer_starts(tmp_path: Path) 
         spool.publish(g)
     feed = BatchFeed(spool, ledger, batch_size=2, max_staleness=4, timeout_s=5, read_ahead=True)
     try:
-        feed.start(0)
+        feed.start_reading()
         wait_for(lambda: len(feed.ahead) == 2)
         assert [g.ticket for g in feed.next_batch(0)] == [0, 1]
         assert (feed.ahead.hits, feed.ahead.misses) == (2, 0)
     finally:
         feed.close()
-    BatchFeed(spool, ledger, batch_size=2, max_staleness=4, read_ahead=False).start(0)  # nothing to start
+    BatchFeed(spool, ledger, batch_size=2, max_staleness=4, read_ahead=False).start_reading()  # nothing to start
 
 
 def test_an_unchanged_ready_directory_is_not_listed_again(tmp_path: Path, monkeypatch) -> None:

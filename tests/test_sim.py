@@ -659,13 +659,14 @@ def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(
 
 def test_a_group_the_taken_batch_leaves_behind_is_parked_not_set_aside(monkeypatch) -> None:
     """As hpcrl's worker reads the trainer's mark: a group that completes stale for every batch still to come is not
-    handed over, so the trainer sets aside fewer groups; no ticket is lost and the bound holds either way."""
+    handed over but generated again, so the trainer sets aside fewer groups; no ticket is lost either way."""
     work = Workload(max_staleness=1, steps=40, batch_groups=8, group_size=8, response_tokens=(2, 3, 4, 6, 10, 40))
-    parked, set_aside = Pipeline(work, Costs()), None
-    r = parked.run()
-    assert_no_ticket_lost(parked)
-    assert max(r.staleness_hist) <= 1
+    with_mark = Pipeline(work, Costs())
+    parked = with_mark.run()
+    assert_no_ticket_lost(with_mark)
     monkeypatch.setattr("hpcrl.sim.pipeline._Replica.left_behind", lambda self, group: False)  # no mark
-    set_aside = Pipeline(work, Costs()).run()
-    assert r.dropped_groups < set_aside.dropped_groups
-    assert r.restarted_samples > set_aside.restarted_samples and r.samples == set_aside.samples
+    without = Pipeline(work, Costs())
+    set_aside = without.run()
+    assert_no_ticket_lost(without)
+    assert parked.dropped_groups < set_aside.dropped_groups
+    assert parked.restarted_samples > set_aside.restarted_samples

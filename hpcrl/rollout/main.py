@@ -94,7 +94,8 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
                          chat_template=cfg.data.chat_template, episodes=episodes,
                          infra_retry_s=cfg.reward.infra_retry_s, infra_max_wait_s=cfg.reward.infra_max_wait_s,
                          fleet_size=(lambda: 1) if colocated else fleet_size(cfg, run_dir),
-                         # colocated: it generates only while its trainer waits, never with a batch in hand
+                         # colocated: it generates only while its trainer waits, which writes no mark, and new
+                         # weights reach it in memory, not through a weight source that would release parked groups
                          taken=None if colocated else TakenMark(spool.root).read)
 
 

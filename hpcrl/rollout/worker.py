@@ -42,10 +42,10 @@ Ordering rules, checked at every :meth:`RolloutWorker.pump`:
    keeping its ticket, and at the next new weights all its episodes start
    again under them, as the trainer's reissue would have had it generated
    (restarting only the old episodes at once would leave the group's other
-   episodes aging while it waits: the simulator shows that costs more). The
-   mark is read only when a group completes whose head it could doom, at most
-   once per :meth:`pump`, and trusted at most one version past the weights in
-   hand.
+   episodes aging while it waits). The mark is read only when a group
+   completes whose head it could doom, at most once per :meth:`pump`, and
+   trusted at most one version past the weights in hand; a worker without a
+   weight source never parks (nothing would release the group).
 
 A group whose scoring failed for a reason that is not its samples' (a
 result with status ``infra_error``: the reward sandbox could not start) is
@@ -323,8 +323,8 @@ class RolloutWorker:
         the weights in hand at most), or more."""
         version, eta = self.engine.version, self.admission.max_staleness
         head = min((e.head_version for e in group.done if e.head_version is not None), default=None)
-        if self.taken is None or head is None or head > version + 1 - eta:  # no batch it can have taken dooms it
-            return False
+        if self.taken is None or self.weights is None or head is None or head > version + 1 - eta:
+            return False  # no mark, nothing to release a parked group, or no batch it can have taken dooms it
         if self._taken_seen is None:
             self._taken_seen = (self.taken(),)
         taken = self._taken_seen[0]

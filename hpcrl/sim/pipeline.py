@@ -352,7 +352,7 @@ class _Replica:
         work = self.work
         if not work.spread_tickets:
             return math.inf
-        held = len({id(r.group) for r in self.rows + self.waiting})
+        held = len({id(r.group) for r in self.rows + self.waiting}) + len(self.parked)
         return math.ceil((work.max_staleness + 1) * work.batch_groups / work.replicas) - held
 
     def _busy_for(self, slow: float, finished: list[Group]) -> None:

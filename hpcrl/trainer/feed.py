@@ -14,10 +14,11 @@ Ordering rules (rank 0 only):
   rejects (all rewards equal) is dropped with the reason ``uniform`` and
   recorded in the ledger, so admission lets a replacement in; taking goes on
   until B kept groups are in hand.
-* Once the batch is complete (never while it is assembled), ``spool/taken``
-  says so (:mod:`hpcrl.spool.taken`; :meth:`BatchFeed.start` writes the
-  version before the first one), so rollouts park rather than publish a group
-  that batch leaves stale.
+* With ``mark_taken`` (not in colocated mode), once the batch is complete
+  (never while it is assembled) ``spool/taken`` says so
+  (:mod:`hpcrl.spool.taken`; :meth:`BatchFeed.start` writes the version
+  before the first one), so rollouts park rather than publish a group that
+  batch leaves stale.
 * A ready file with tokens newer than the trainer's version came from a
   policy lost when the trainer restarted from a checkpoint: it is set aside
   and its ticket reissued (see :mod:`hpcrl.trainer.reconcile`).
@@ -82,7 +83,8 @@ class BatchTimeout(RuntimeError):
 class BatchFeed:
     def __init__(self, spool: Spool, ledger: AdmissionLedger, batch_size: int, max_staleness: int,
                  timeout_s: float = 600.0, poll_s: float = 0.01, relook_s: float = 0.1,
-                 keep: Callable[[TrajectoryGroup], bool] | None = None, read_ahead: bool = False) -> None:
+                 keep: Callable[[TrajectoryGroup], bool] | None = None, read_ahead: bool = False,
+                 mark_taken: bool = False) -> None:
         self.spool, self.ledger = spool, ledger
         # files parsed during the step, up to four batches ahead (more are rarely trainable before they go stale)
         self.ahead = ReadAhead(spool.ready_dir, 4 * batch_size) if read_ahead else None
@@ -97,7 +99,8 @@ class BatchFeed:
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
         self._trained: set[int] | None = None  # tickets in trained/, read on first use (after reconcile)
         self._batch: set[int] = set()  # tickets of the batch being assembled
-        self.taken = TakenMark(spool.root, spool.fence)  # tells the rollouts which batch is in hand
+        # tells the rollouts which batch is in hand (not in colocated mode, whose rollout generates while it waits)
+        self.taken = TakenMark(spool.root) if mark_taken else None
 
     @property
     def trained(self) -> set[int]:
@@ -176,9 +179,9 @@ class BatchFeed:
                 look_at = t_pass = time.monotonic()
                 look_at += self.relook_s
                 eligible = self._eligible(version)
-                taken = self._to_take(eligible, self.batch_size - len(groups))
-                self._take(taken, groups, entries)
-                arrived, left = 0, len(eligible) - len(taken)
+                chosen = self._to_take(eligible, self.batch_size - len(groups))
+                self._take(chosen, groups, entries)
+                arrived, left = 0, len(eligible) - len(chosen)
                 short = 1 if self.keep is not None else max(self.batch_size - len(groups) - left, 1)
                 if self.ahead is not None and len(groups) < self.batch_size:
                     self.ahead.kick()  # still waiting (rejected groups, or too few yet): it reads on meanwhile
@@ -192,7 +195,8 @@ class BatchFeed:
                 waited += time.monotonic() - t
                 arrived += news or 0
         self._pending = entries
-        self.taken.write(version)  # groups this batch leaves stale are generated again before they are published
+        if self.taken is not None:  # the groups this batch leaves stale are parked, not published
+            self.taken.write(version)
         if self.ahead is not None:
             self.ahead.kick()  # the next batch's files are read while this one trains
         self.spool_s = time.monotonic() - start - waited
@@ -218,9 +222,14 @@ class BatchFeed:
 
     def start(self, version: int) -> None:
         """The trainer starts (or resumed) at ``version``: the rollouts are told no batch of it is in hand yet
-        (:mod:`hpcrl.spool.taken`), and the read-ahead, if on, starts parsing the first batch's files while the
-        trainer starts up. :meth:`next_batch` holds it in the pass that completes the batch."""
-        self.taken.write(version - 1)
+        (:mod:`hpcrl.spool.taken`; before the run directory is reconciled, so no mark a rewound trainer left parks
+        what this one can train)."""
+        if self.taken is not None:
+            self.taken.write(version - 1)
+
+    def start_reading(self) -> None:
+        """Start parsing ready files now (after resume: the first batch's, while the trainer starts up); a no-op
+        without the read-ahead. :meth:`next_batch` holds it in the pass that completes the batch."""
         if self.ahead is not None:
             self.ahead.kick()
 

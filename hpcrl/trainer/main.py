@@ -204,8 +204,9 @@ def resume(cfg: RunConfig, ctx: DistContext, engine: TrainEngine, checkpointer: 
             feed.dropped.update(meta.get("dropped", {}))
             reporter.restore(meta)
         feed.ledger.sync_drop_count()  # the bound's drop count recounted (a crash may have cut it short)
+        feed.start(start)  # no batch of this version in hand yet (spool/taken), before a rewind republishes weights
         reconcile(start, feed, weights, state)
-        feed.start(start)  # the first batch's files are parsed meanwhile (the initial evaluation, say)
+        feed.start_reading()  # the first batch's files are parsed meanwhile (the initial evaluation, say)
     if ctx.world_size > 1:
         dist.barrier()
     return start
@@ -218,7 +219,7 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
     ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
     feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size,
                      cfg.admission.max_staleness, cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo),
-                     read_ahead=cfg.trainer.read_ahead)
+                     read_ahead=cfg.trainer.read_ahead, mark_taken=cfg.launch.mode != "colocated")
     runner = build_scorer(cfg.reward)
     reporter = Reporter(run_dir / "logs", cfg.eval, cfg.trainer.total_steps, model_path=prep.init_model,
                         eval_rows=eval_rows, measure=held_out(cfg, tokenizer, runner),
