@@ -25,6 +25,10 @@ def test_the_mark_reads_what_the_trainer_wrote_and_nothing_when_missing_or_torn(
     for torn in ("", "00000000000000000008 00000000000000000007\n", "3"):  # half written, or foreign: no mark
         mark.path.write_text(torn)
         assert mark.read() is None, torn
+    mark.path.unlink()
+    mark.path.mkdir()  # a write that fails is logged, never the trainer's end: it is a hint
+    mark.write(9)
+    assert mark.read() is None
 
 
 def test_the_feed_marks_its_start_and_a_batch_only_once_it_is_complete(tmp_path: Path) -> None:

@@ -19,19 +19,27 @@ Lifecycle:
   per pass of its loop, and trusts it at most one version past its own weights.
 
 It is a hint, never a decision: a mark that is missing, torn or unreadable reads as ``None`` (the rollout then goes
-by its own weights alone, as without the mark), and a wrong mark only costs generation, since the trainer still
-decides what is stale at its claim. So it is cheap: the value is written twice, at a fixed width, over the file in
-place (one open, write and close, no rename, no fsync, no fence check: a replaced trainer stops at its next spool
-move anyway), and a read whose two halves differ (a write seen half done) is no mark. A mark seen late is lower than
-the truth, which parks less, never more.
+by its own weights alone, as without the mark), a write that fails is logged and skipped, and a wrong mark only
+costs generation, since the trainer still decides what is stale at its claim. So it is cheap: the value is written
+twice, at a fixed width, over the file in place (one open, write and close, no rename, no fsync, no fence check: a
+replaced trainer stops at its next spool move anyway), and a read whose two halves differ (a write seen half done)
+is no mark. Unlike the spool's files it is not renamed into place (design.md's rule for files readers act on):
+on NFS a client may go on reading its cached old value for a while after a rewrite (Lustre's locks do not allow
+that). A mark seen late is lower than the truth, which parks less, except across a trainer's restart: a mark the
+replaced trainer wrote after its last claim, or one read before the new trainer's start mark, can be too high, and
+groups the new trainer could train are parked until the next weights (generation lost, nothing else).
+A worker without a weight source never parks (nothing would release the group).
 Cost: one small write per trainer step; one read per rollout loop pass at most, only while a group it could doom
 completes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TAKEN = "taken"  # under the spool's root
 
@@ -45,11 +53,14 @@ class TakenMark:
     def write(self, version: int) -> None:
         """The trainer has the batch that trains ``version`` (``version - 1`` at its start: none yet)."""
         value = f"{int(version):020d}"
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            os.pwrite(fd, f"{value} {value}\n".encode(), 0)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, f"{value} {value}\n".encode(), 0)
+            finally:
+                os.close(fd)
+        except OSError as e:  # a hint: the rollouts go by their own weights meanwhile
+            log.warning("could not write %s (%s); rollouts will publish what they would have parked", self.path, e)
 
     def read(self) -> int | None:
         """The version whose batch the trainer has in hand; None when there is no whole, readable mark."""

@@ -1,7 +1,7 @@
 """Bring the run directory back in line with a trainer resumed at version N.
 
 Called by the trainer's rank 0 after restoring checkpoint N (N = 0 when
-there is none) and marking ``spool/taken`` N - 1 (so no mark of a batch a
+there is none) and marking ``spool/taken`` N - 1 (not in colocated mode; so no mark of a batch a
 rewound trainer had in hand makes rollouts park groups this one can train;
 :mod:`hpcrl.spool.taken`), before the first step. Order matters:
 
