@@ -487,6 +487,9 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
                       # the engine's prefill calls (admissions and rebuilds), simulated / measured (None: not measured)
                       "prefill_calls": (float(np.mean([r.prefill_calls for r in sims])),
                                         run.get("rollout_stats", {}).get("engine", {}).get("prefill_calls")),
+                      # samples generated again (stale or parked, and rebuilt rows), simulated / measured per run
+                      "restarted_samples": (float(np.mean([r.restarted_samples for r in sims])),
+                                            run.get("rollout_stats", {}).get("samples_restarted")),
                       # seconds per trainer step in each phase, simulated and (where the run has its split) measured
                       "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
                                               v / run["steps"]) for k, v in phases_of(run).items()}}
@@ -533,7 +536,9 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                       + (f"; stale set-asides {r['stale_set_asides'][0]:.0f}/{r['stale_set_asides'][1]:.0f}"
                          if r["stale_set_asides"][1] is not None else "")
                       + (f"; prefill calls {r['prefill_calls'][0]:.0f}/{r['prefill_calls'][1]:.0f}"
-                         if r["prefill_calls"][1] is not None else ""))
+                         if r["prefill_calls"][1] is not None else "")
+                      + (f"; samples restarted {r['restarted_samples'][0]:.0f}/{r['restarted_samples'][1]:.0f}"
+                         if r.get("restarted_samples", (0, None))[1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     if len(played) > 1:
         print(f"mean of {len(played)} runs:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")

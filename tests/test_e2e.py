@@ -26,6 +26,7 @@ from hpcrl.config import load_saved
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.spool.format import read_group, write_group
 from hpcrl.spool.store import Spool
+from hpcrl.spool.taken import TakenMark
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +95,7 @@ def test_async_run_respects_staleness_and_trains_each_group_once(tmp_path, cache
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["initial_accuracy"] is not None
     assert (run / "weights" / "LATEST").read_text().strip() == "8"
+    assert TakenMark(run / "spool").read() == 7  # the batch that trained version 7 was the last one taken
 
 
 def trained_by_step(run: Path) -> dict[int, list[tuple[int, list[list[int]]]]]:
@@ -120,6 +122,8 @@ def test_eta_zero_is_synchronous_rl_and_matches_colocated(tmp_path, cache) -> No
     ra = [r["reward/mean"] for r in read_metrics(sync_async / "logs/metrics.jsonl") if "reward/mean" in r]
     rc = [r["reward/mean"] for r in read_metrics(colocated / "logs/metrics.jsonl") if "reward/mean" in r]
     assert ra == rc  # same samples, same rewards: the disaggregated eta=0 run *is* synchronous RL
+    assert TakenMark(sync_async / "spool").read() == 4  # a disaggregated trainer marks each batch it takes ...
+    assert not (colocated / "spool" / "taken").exists()  # ... a colocated one none (its rollout waits for it)
     # the colocated trainer reads back what its own rollout worker wrote without parsing it (Spool.on_publish)
     reads = [(r["spool/read_ahead_offered"], r["spool/read_ahead_hits"], r["spool/read_ahead_misses"])
              for r in read_metrics(colocated / "logs/metrics.jsonl") if "spool/read_ahead_hits" in r]
