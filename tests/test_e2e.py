@@ -122,7 +122,7 @@ def test_eta_zero_is_synchronous_rl_and_matches_colocated(tmp_path, cache) -> No
     ra = [r["reward/mean"] for r in read_metrics(sync_async / "logs/metrics.jsonl") if "reward/mean" in r]
     rc = [r["reward/mean"] for r in read_metrics(colocated / "logs/metrics.jsonl") if "reward/mean" in r]
     assert ra == rc  # same samples, same rewards: the disaggregated eta=0 run *is* synchronous RL
-    assert TakenMark(sync_async / "spool").read() == 4  # a disaggregated trainer marks each batch it takes ...
+    assert TakenMark(sync_async / "spool").read() == 4  # a disaggregated trainer's mark: its last batch ...
     assert not (colocated / "spool" / "taken").exists()  # ... a colocated one none (its rollout waits for it)
     # the colocated trainer reads back what its own rollout worker wrote without parsing it (Spool.on_publish)
     reads = [(r["spool/read_ahead_offered"], r["spool/read_ahead_hits"], r["spool/read_ahead_misses"])
