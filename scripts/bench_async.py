@@ -8,7 +8,13 @@ in ``--rounds`` rounds (default 3) that each run every mode once, so a slow
 stretch of the machine touches every mode alike; each number reported is
 the mean over the rounds, and ``rounds`` keeps each round's samples/s,
 overhead and set-asides (a 60-step run lasts about 30 s, and one run's
-samples/s moves by up to a fifth from run to run on these shared cores):
+samples/s moves by up to a fifth from run to run on these shared cores).
+The baseline, ``colocated_t1``, runs twice in each round, first and last
+(when other modes run too): every ratio divides by the mean of its
+round's two baseline runs, so a slow or fast stretch of the machine
+under one baseline run moves the ratios half as much, and a drift over
+the round cancels (its ``rounds`` holds both runs of every round, each
+with its ``round``):
 
 * ``colocated_t1`` / ``colocated_t2``: one process alternates generation and
   training, eta = 0 (synchronous RL), with 1 and with 2 torch threads;
@@ -30,7 +36,7 @@ samples/s moves by up to a fifth from run to run on these shared cores):
 
 For each mode it reports trained samples/s and tokens/s and their ratio to
 ``colocated_t1`` (``ratio_samples_rounds``: each round's ratio against that
-round's ``colocated_t1``) and to the better colocated run, busy fractions of the
+round's ``colocated_t1`` runs) and to the better colocated run, busy fractions of the
 rollout engine and of the trainer, the share of trainer wall time spent
 publishing weights, the spool + admission overhead (the trainer's own
 time taking and committing its batches, ``time/spool_s`` + ``time/commit_s``,
@@ -278,7 +284,17 @@ def mean_of(values: list):
     return values[0]
 
 
-ROUND_FIELDS = ("samples_per_s", "spool_admission_share", "stale_set_asides", "read_ahead_hit_rate", "wall_s")
+ROUND_FIELDS = ("round", "samples_per_s", "spool_admission_share", "stale_set_asides", "read_ahead_hit_rate",
+                "wall_s")
+BASELINE = "colocated_t1"
+
+
+def round_order(modes: list[str]) -> list[str]:
+    """The runs of one round: every mode once, and the baseline (when it is among several modes) first and again
+    last, so that each round's ratios divide by two runs of it around the others."""
+    if BASELINE not in modes or len(modes) == 1:
+        return list(modes)
+    return [BASELINE, *(n for n in modes if n != BASELINE), BASELINE]
 
 
 def merge_rounds(rows: list[dict]) -> dict:
@@ -288,23 +304,32 @@ def merge_rounds(rows: list[dict]) -> dict:
     if "staleness_hist" in out:  # a version only a later round reached goes in its place, for the plot's line
         out["staleness_hist"] = dict(sorted(out["staleness_hist"].items(), key=lambda kv: int(kv[0])))
     out["rounds"] = [{k: r[k] for k in ROUND_FIELDS if k in r} for r in rows]
+    out.pop("round", None)  # each run's own, in ``rounds``
     return out
 
 
 def add_ratios(results: dict) -> None:
     """Each mode's samples/s (and tokens/s) against ``colocated_t1``'s and the better colocated run's, both means
-    over the rounds; ``ratio_samples_rounds``: each round's ratio against that same round's baseline."""
-    colo = [results[n]["samples_per_s"] for n in ("colocated_t1", "colocated_t2") if n in results]
+    over all their runs; ``ratio_samples_rounds``: each round's ratio against the mean of that same round's
+    baseline runs (rounds told apart by ``round``; without it, the k-th run of each is the k-th round)."""
+    colo = [results[n]["samples_per_s"] for n in (BASELINE, "colocated_t2") if n in results]
     base, best_colo = (colo[0], max(colo)) if colo else (None, None)
-    base_tok = results.get("colocated_t1", {}).get("tokens_per_s")
-    base_rounds = [r["samples_per_s"] for r in results.get("colocated_t1", {}).get("rounds", [])]
+    base_tok = results.get(BASELINE, {}).get("tokens_per_s")
+    by_round: dict = {}
+    for k, x in enumerate(results.get(BASELINE, {}).get("rounds", [])):
+        by_round.setdefault(x.get("round", k), []).append(x["samples_per_s"])
+    base_rounds = {k: sum(v) / len(v) for k, v in by_round.items()}
     for r in results.values():
         r["ratio_samples"] = r["samples_per_s"] / base if base else None
         r["ratio_samples_best_colocated"] = r["samples_per_s"] / best_colo if best_colo else None
         r["ratio_tokens"] = r["tokens_per_s"] / base_tok if base_tok else None
-        if base_rounds and len(base_rounds) == len(r["rounds"]):
-            r["ratio_samples_rounds"] = [x["samples_per_s"] / b if b else None
-                                         for x, b in zip(r["rounds"], base_rounds)]
+        rounds = [x.get("round", k) for k, x in enumerate(r["rounds"])]
+        if base_rounds and all(k in base_rounds for k in rounds):
+            ratios: dict = {}  # the baseline's own: each round's mean against itself, 1
+            for k, x in zip(rounds, r["rounds"]):
+                ratios.setdefault(k, []).append(x["samples_per_s"])
+            r["ratio_samples_rounds"] = [sum(v) / len(v) / base_rounds[k] if base_rounds[k] else None
+                                         for k, v in ratios.items()]
 
 
 def refused(modes: list[str], rounds: int) -> str | None:
@@ -335,11 +360,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
         for k in range(args.rounds):
             print(f"round {k + 1} of {args.rounds}", flush=True)
-            for name in modes:
+            for name in round_order(modes):
                 t0 = time.time()
                 run_dir = run_mode(name, MODES[name] + args.overrides, args.steps, Path(tmp) / f"round{k}")
                 r = analyse(run_dir)
-                r["wall_s"] = time.time() - t0
+                r["wall_s"], r["round"] = time.time() - t0, k
                 shutil.rmtree(run_dir, ignore_errors=True)  # a round's spool is not needed again: the disk stays flat
                 rows[name].append(r)
                 report(name, r)

@@ -477,6 +477,7 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
         work, costs = mode_setup(name, run, measured, uniform, task_only, (shapes or {}).get(name, ()))
         costs = scaled(costs, factors)  # the loop's overhead on each piece, as the baseline measured it
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
+        engine = run.get("rollout_stats", {}).get("engine", {})
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
                       "simulated_samples_per_s": float(np.mean([r.samples_per_s for r in sims])),
                       "simulated_trainer_busy": float(np.mean([r.trainer_busy for r in sims])),
@@ -486,10 +487,14 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
                                            run.get("stale_set_asides")),
                       # the engine's prefill calls (admissions and rebuilds), simulated / measured (None: not measured)
                       "prefill_calls": (float(np.mean([r.prefill_calls for r in sims])),
-                                        run.get("rollout_stats", {}).get("engine", {}).get("prefill_calls")),
+                                        engine.get("prefill_calls")),
                       # samples generated again (stale or parked, and rebuilt rows), simulated / measured per run
                       "restarted_samples": (float(np.mean([r.restarted_samples for r in sims])),
                                             run.get("rollout_stats", {}).get("samples_restarted")),
+                      # the engine's decode steps and their mean batch (rows), simulated / measured (None: not measured)
+                      "decode_steps": (float(np.mean([r.decode_steps for r in sims])), engine.get("decode_steps")),
+                      "decode_batch": (float(np.mean([r.decode_rows / max(1, r.decode_steps) for r in sims])),
+                                       engine.get("mean_running_batch_size")),
                       # seconds per trainer step in each phase, simulated and (where the run has its split) measured
                       "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
                                               v / run["steps"]) for k, v in phases_of(run).items()}}
@@ -538,7 +543,10 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                       + (f"; prefill calls {r['prefill_calls'][0]:.0f}/{r['prefill_calls'][1]:.0f}"
                          if r["prefill_calls"][1] is not None else "")
                       + (f"; samples restarted {r['restarted_samples'][0]:.0f}/{r['restarted_samples'][1]:.0f}"
-                         if r.get("restarted_samples", (0, None))[1] is not None else ""))
+                         if r.get("restarted_samples", (0, None))[1] is not None else "")
+                      + (f"; decode steps {r['decode_steps'][0]:.0f}/{r['decode_steps'][1]:.0f} of "
+                         f"{r['decode_batch'][0]:.1f}/{r['decode_batch'][1]:.1f} rows"
+                         if r.get("decode_steps", (0, None))[1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     if len(played) > 1:
         print(f"mean of {len(played)} runs:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")

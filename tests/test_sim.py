@@ -72,6 +72,9 @@ def test_an_unbounded_rollout_keeps_its_engine_full() -> None:
     r = simulate(work, dataclasses.replace(ZERO, decode_s=d))
     assert r.samples_per_s == pytest.approx(k * g / (length * d), rel=0.01)
     assert r.rollout_busy == pytest.approx(1.0, rel=1e-3)
+    # its decode steps, every one of k*G rows, are all it spent its time on
+    assert r.decode_rows / r.decode_steps == pytest.approx(k * g, rel=0.01)
+    assert r.decode_steps * d == pytest.approx(r.rollout_busy_s[0], rel=1e-3)  # the last one cut by the end
 
 
 def test_a_slow_trainer_sets_the_pace_and_staleness_stays_within_the_bound() -> None:
@@ -506,9 +509,9 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
 
 
 def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
-    """Each mode runs once per round; a field is the mean over the rounds (a count a round lacks is 0 there, a None
-    left out, text as the first round had it), and each round's ratio is taken against the same round's baseline;
-    a mode named twice is refused."""
+    """Each mode runs once per round (the baseline first and last); a field is the mean over the runs (a count a
+    round lacks is 0 there, a None left out, text as the first round had it), and each round's ratio is taken
+    against the mean of the same round's baseline runs; a mode named twice is refused."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
@@ -536,6 +539,20 @@ def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -
     assert "each mode once" in bench.refused(["colocated_t1", "colocated_t1"], 3)
     assert "unknown" in bench.refused(["colocated_t3"], 3) and "--rounds" in bench.refused(["colocated_t1"], 0)
     assert bench.refused(["colocated_t1", "async_eta1"], 1) is None
+    # the baseline bracketing each round (first and last): each round's ratio against the mean of its two runs
+    assert bench.round_order(["async_eta1", "colocated_t1", "colocated_t2"]) == [
+        "colocated_t1", "async_eta1", "colocated_t2", "colocated_t1"]
+    assert bench.round_order(["colocated_t1"]) == ["colocated_t1"] and bench.round_order(["a", "b"]) == ["a", "b"]
+    twice = [{**b, "round": k // 2} for k, b in enumerate([base[0], {**base[0], "samples_per_s": 500.0},
+                                                          base[1], {**base[1], "samples_per_s": 300.0}])]
+    results = {"colocated_t1": bench.merge_rounds(twice),
+               "async_eta1": bench.merge_rounds([{**f, "round": k} for k, f in enumerate(fast)])}
+    bench.add_ratios(results)
+    assert results["colocated_t1"]["samples_per_s"] == 425.0 and "round" not in results["colocated_t1"]
+    assert [x["round"] for x in results["colocated_t1"]["rounds"]] == [0, 0, 1, 1]
+    assert results["async_eta1"]["ratio_samples_rounds"] == pytest.approx([600 / 450, 600 / 400])
+    assert results["colocated_t1"]["ratio_samples_rounds"] == pytest.approx([1.0, 1.0])
+    assert results["async_eta1"]["ratio_samples"] == pytest.approx(600 / 425)
     late = bench.merge_rounds([{"staleness_hist": {"0": 1, "2": 1}}, {"staleness_hist": {"0": 1, "1": 2, "2": 1}}])
     assert list(late["staleness_hist"]) == ["0", "1", "2"]  # a version only a later round reached, in its place
     assert bench.mean_of([None, None]) is None and bench.mean_of(["a", "b"]) == "a"

@@ -178,6 +178,8 @@ class Result:
     # loaded while the rest of the group generated: generated again
     restarted_samples: int = 0
     prefill_calls: int = 0  # the engines' prefill calls: admissions and rebuilds after new weights
+    decode_steps: int = 0  # the engines' decode steps, and the rows they decoded in all (their mean batch: the ratio)
+    decode_rows: int = 0
     # seconds of finished work by phase, the shared-core slowdown included: "trainer/update", "trainer/spool",
     # "trainer/publish"; "rollout/decode", "rollout/admit_prefill", "rollout/rebuild_prefill", "rollout/ledger",
     # "rollout/reward", "rollout/weights", ... (summed over replicas; what bench_async's time split measures)

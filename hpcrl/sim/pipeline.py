@@ -95,7 +95,7 @@ class Pipeline:
         self.trainer_busy_s = 0.0
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
         self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = self.restarted = 0
-        self.prefill_calls = 0
+        self.prefill_calls = self.decode_steps = self.decode_rows = 0
         self.staleness: Counter = Counter()
         self.phases: Counter = Counter()  # "trainer/update", "rollout/decode", ...: seconds of finished work
         self.trained_tickets: list[int] = []
@@ -130,6 +130,7 @@ class Pipeline:
                       rollout_busy_s=[r.busy_s for r in self.replicas], dropped_groups=self.dropped_groups,
                       staleness_hist=dict(sorted(self.staleness.items())), failures=self.failures,
                       restarted_samples=self.restarted, prefill_calls=self.prefill_calls,
+                      decode_steps=self.decode_steps, decode_rows=self.decode_rows,
                       phases=dict(sorted(self.phases.items())))
 
     def slowdown(self, other_busy: bool) -> float:
@@ -308,6 +309,7 @@ class _Replica:
         # the linear cost model; only looks for weights and admissions wait for the event's end
         k = min(work.tokens_per_event, min(r.length - r.done for r in self.rows))
         parts["decode"] += k * costs.decode(n, context) + costs.decode_per_context_token_s * n * k * (k - 1) / 2
+        pipe.decode_steps, pipe.decode_rows = pipe.decode_steps + k, pipe.decode_rows + k * n
         parts["spool_look"] += k * costs.colocated_pass_s if pipe.colocated else 0.0
         restarted = []
         for r in self.rows:
