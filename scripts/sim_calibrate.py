@@ -3,6 +3,7 @@
     python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~10 minutes
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check bench/results.json
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check run1.json run2.json --check-out c.json
+    python scripts/sim_calibrate.py --costs bench/sim_costs.json --shared-only --out bench/sim_costs_b.json
 
 Measuring runs the pieces of ``scripts/bench_async.py``'s task (the reverse
 task's lengths, the tiny model, B = 16 groups of G = 8, 64 engine rows), each
@@ -29,8 +30,14 @@ to show the spread:
 * the spool and the ledger: the trainer's claim + read + commit per group
   without read-ahead (``spool_per_group_s``) and a ticket (``admit_s``);
 * ``shared_slowdown``: decode steps while another process trains, and train
-  steps while another process decodes, against each alone (the one-thread
-  run of the same repeat; the mean of the two).
+  steps while another process decodes, against the same steps with that
+  process stopped (SIGSTOP) in the windows between, paired in time
+  (:func:`paired_slowdown`; the mean of the two). Up to ``sim_costs_s20``
+  each side beside the other was one run against the one-thread run of
+  the same repeat, minutes apart, and the machine's drift in between read
+  as a slowdown (0.85-1.24x in one calibration's repeats).
+  ``--shared-only`` measures only these, into a copy of a cost model
+  (``--costs``) whose pieces it keeps.
 
 What crosses processes is taken from the run being checked (``--check``):
 the trainer's publish time per step (``time/publish_s``: collective or disk)
@@ -51,7 +58,12 @@ ratio to ``colocated_t1`` next to the measured one (target: within 10 %).
 With several results files (repeated runs of the same code), each is played
 with its own baseline and crossing costs, and the check is also made on the
 mean ratios, mode by mode: one run's ratios carry its baseline's noise
-(10-30 % here), which a mean of runs shrinks.
+(10-30 % here), which a mean of runs shrinks; each mean is printed with its
+standard error, from the ratios of all its rounds (each against its own
+round's baseline): what the machine's noise leaves uncertain in it. Each
+mode's line also gives the engine's decode steps and their mean batch
+(rows), simulated / measured: with the decode time per step, they tell a
+gap in the cost of a step from one in the number of steps.
 """
 
 from __future__ import annotations
@@ -264,15 +276,101 @@ def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0) -
         return json.loads(out.read_text())
 
 
-def beside(kind: str, other: str, model_path: Path, seconds: float = 0.0) -> dict:
-    """``kind`` measured (threads 1, for ``seconds`` at least) while a process runs ``other`` for longer."""
-    load = _child(other, 1, model_path, 120.0 + seconds, None)
+def steps_loop(kind: str, model_path: Path, seconds: float) -> dict:
+    """The same operation over and over for ``seconds``, each one's start and end on the system's monotonic clock
+    (which every process shares): a decode step of a batch of 32 rows (4 groups, decoded to the end, then again:
+    every window of a second or more holds the same mix of contexts), or a train step on one batch of the task."""
+    ops: list[tuple[float, float]] = []
+    if kind == "engine":
+        from hpcrl.rollout.engine import Request
+
+        engine, rng = _engine(model_path), random.Random(0)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for g in range(4):
+                prompt = [rng.randrange(3, 60) for _ in range(20)]
+                for i in range(G):
+                    engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
+            engine.poll()  # the admission's prefill, left out
+            while engine.num_running():
+                t0 = time.monotonic()
+                engine.poll()
+                ops.append((t0, time.monotonic()))
+        return {"ops": ops}
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.runtime.dist import free_port, init_from_env
+    from hpcrl.trainer import batch as tb
+    from hpcrl.trainer.config import TrainerConfig
+    from hpcrl.trainer.engine import build_train_engine
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    trainer = build_train_engine("fsdp", model_path, TrainerConfig(world_size=1, total_steps=1_000_000),
+                                 AlgoConfig(), init_from_env("gloo"), pad_id=0, dtype="float32")
+    seqs, _ = tb.to_sequences(_groups(random.Random(1), 1), AlgoConfig())
+    trainer.train_step(seqs)  # warm-up
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        trainer.train_step(seqs)
+        ops.append((t0, time.monotonic()))
+    return {"ops": ops}
+
+
+def paired_slowdown(kind: str, other: str, model_path: Path, cycles: int = 10, window_s: float = 2.0) -> dict:
+    """How much ``kind``'s steps (one thread) slow while a process runs ``other`` (one thread) on the same cores,
+    paired in time: the other process is stopped and continued (SIGSTOP, SIGCONT) every ``window_s`` for
+    ``cycles`` cycles while ``kind`` repeats one operation (:func:`steps_loop`), and each cycle's mean step with
+    the other running is divided by the same cycle's mean step with it stopped (steps that straddle a switch
+    left out); the slowdown is the median over the cycles. Measuring alone and beside in separate runs minutes
+    apart, as the calibrations up to ``sim_costs_s20`` did, left the machine's own drift in the ratio: their
+    repeats read 0.85-1.24x (decode) and 0.70-1.23x (train) in one calibration."""
+    import signal
+
+    load = _child(other, 1, model_path, 3600.0, None)
     try:
         time.sleep(8.0)  # the other one past its start-up
-        return run_child(kind, 1, model_path, seconds)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            child = subprocess.Popen([sys.executable, __file__, "--_child", f"{kind}_steps", "--_threads", "1",
+                                      "--_model", str(model_path), "--_seconds", str(8.0 + 2 * cycles * window_s),
+                                      "--_out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+            time.sleep(6.0)  # its start-up and warm-up, the other one running
+            switches = []  # (time, the other one running after it)
+            for _ in range(cycles):
+                for running in (False, True):
+                    load.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
+                    switches.append((time.monotonic(), running))
+                    time.sleep(window_s)
+            if child.wait() != 0:
+                raise SystemExit(f"the paired {kind} measurement failed")
+            ops = json.loads(out.read_text())["ops"]
     finally:
+        load.send_signal(signal.SIGCONT)
         load.kill()
         load.wait()
+    return {"slowdown": paired_ratio(ops, switches), "cycles": cycles, "window_s": window_s}
+
+
+def paired_ratio(ops: list[tuple[float, float]], switches: list[tuple[float, bool]]) -> float:
+    """The median over cycles (a stopped window, then a running one) of mean step running / mean step stopped;
+    a step counts in the window it lies wholly in (the last window ends at the last step's end)."""
+    bounds = [t for t, _ in switches] + [max((b for _, b in ops), default=0.0) + 1.0]
+    windows: list[list[float]] = [[] for _ in switches]
+    for a, b in ops:
+        for k in range(len(switches)):
+            if bounds[k] <= a and b <= bounds[k + 1]:
+                windows[k].append(b - a)
+                break
+    ratios = []
+    for k in range(0, len(switches) - 1, 2):
+        stopped, running = windows[k], windows[k + 1]
+        if switches[k][1] or not switches[k + 1][1]:
+            raise ValueError("switches: a stopped window, then a running one, in turn")
+        if stopped and running:
+            ratios.append(float(np.mean(running) / np.mean(stopped)))
+    if not ratios:
+        raise ValueError("no cycle held a whole step in both of its windows: longer windows")
+    return float(np.median(ratios))
 
 
 def costs_from(engine: dict, trainer: dict) -> dict:
@@ -310,20 +408,23 @@ def median_run(runs: list[dict], typical) -> dict:
     return sorted(runs, key=typical)[len(runs) // 2]
 
 
+def measure_shared(model_path: Path, ratios: dict) -> str:
+    """Each side's steps beside the other, paired in time (:func:`paired_slowdown`); appends to ``ratios``."""
+    ratios["decode"].append(paired_slowdown("engine", "trainer", model_path)["slowdown"])
+    ratios["train"].append(paired_slowdown("trainer", "engine", model_path)["slowdown"])
+    return f"beside the other: decode {ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x"
+
+
 def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -> str:
     """One repeat of :func:`measure`: the engine and the trainer with 1 and 2 threads, then each beside the other
-    (its ratio against this repeat's one-thread run); appends to ``runs`` and ``ratios``, returns a progress line."""
+    (:func:`measure_shared`); appends to ``runs`` and ``ratios``, returns a progress line."""
     for threads in (1, 2):
         runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds))
         runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
-    ratios["decode"].append(typical_decode_s(beside("engine", "trainer", model_path, seconds))
-                            / typical_decode_s(runs[1]["engine"][-1]))
-    ratios["train"].append(typical_train_s(beside("trainer", "engine", model_path, seconds))
-                           / typical_train_s(runs[1]["trainer"][-1]))
+    shared = measure_shared(model_path, ratios)
     decode = ", ".join(f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
     train = ", ".join(f"{t}: {1e3 * typical_train_s(runs[t]['trainer'][-1]):.0f} ms" for t in (1, 2))
-    return (f"typical decode step {decode}; train step {train}; beside the other: decode "
-            f"{ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x")
+    return f"typical decode step {decode}; train step {train}; {shared}"
 
 
 def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
@@ -349,9 +450,28 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
             fitted = result[f"threads{threads}"] = costs_from(engine, trainer)
             print(f"{threads} thread(s), median run: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()),
                   flush=True)
-        slow = {kind: float(np.median(v)) for kind, v in ratios.items()}
-        result["shared_slowdown"] = {**slow, "mean": (slow["decode"] + slow["train"]) / 2}
-        print(f"shared cores (medians): decode {slow['decode']:.2f}x, train {slow['train']:.2f}x", flush=True)
+        result["shared_slowdown"] = shared_medians(ratios)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+def shared_medians(ratios: dict[str, list[float]]) -> dict[str, float]:
+    slow = {kind: float(np.median(v)) for kind, v in ratios.items()}
+    print(f"shared cores (medians): decode {slow['decode']:.2f}x, train {slow['train']:.2f}x", flush=True)
+    return {**slow, "mean": (slow["decode"] + slow["train"]) / 2}
+
+
+def measure_shared_only(costs: Path, out: Path, repeats: int) -> None:
+    """``costs``'s pieces as they are, with the shared-core slowdowns measured again, paired in time (``repeats``
+    times, the medians): ``out`` records where the pieces came from (``pieces_from``)."""
+    result = json.loads(costs.read_text())
+    ratios: dict[str, list[float]] = {"decode": [], "train": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = _model(Path(tmp))
+        for k in range(repeats):
+            print(f"run {k + 1} of {repeats}: " + measure_shared(model_path, ratios), flush=True)
+    result.setdefault("repeats", {})["shared_slowdown"] = ratios
+    result.update(shared_slowdown=shared_medians(ratios), pieces_from=str(costs), shared="paired")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
@@ -479,6 +599,8 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
         engine = run.get("rollout_stats", {}).get("engine", {})
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
+                      # each round's ratio against its own round's baseline (bench_async since 2026-11-28)
+                      "measured_ratio_rounds": run.get("ratio_samples_rounds"),
                       "simulated_samples_per_s": float(np.mean([r.samples_per_s for r in sims])),
                       "simulated_trainer_busy": float(np.mean([r.trainer_busy for r in sims])),
                       "simulated_rollout_busy": float(np.mean([r.rollout_busy for r in sims])),
@@ -515,8 +637,17 @@ def mean_of_runs(played: list[dict]) -> dict[str, dict]:
         measured = float(np.mean([p["modes"][n]["measured_ratio"] for p in played]))
         simulated = float(np.mean([p["modes"][n]["simulated_ratio"] for p in played]))
         out[n] = {"measured_ratio": measured, "simulated_ratio": simulated, "error": simulated / measured - 1,
-                  "measured_ratios": [p["modes"][n]["measured_ratio"] for p in played]}
+                  "measured_ratios": [p["modes"][n]["measured_ratio"] for p in played],
+                  "measured_ratio_se": ratio_se([p["modes"][n] for p in played])}
     return out
+
+
+def ratio_se(rows: list[dict]) -> float | None:
+    """The standard error of a mode's measured ratio, from its rounds' ratios over ``rows`` (one per run; each
+    round's ratio against its own round's baseline): what the machine's noise leaves uncertain in the mean. None
+    where fewer than two rounds recorded their ratio."""
+    rounds = [x for r in rows for x in (r.get("measured_ratio_rounds") or ()) if x is not None]
+    return float(np.std(rounds, ddof=1) / np.sqrt(len(rounds))) if len(rounds) > 1 else None
 
 
 def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bool = True, **variant) -> None:
@@ -548,11 +679,15 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                          f"{r['decode_batch'][0]:.1f}/{r['decode_batch'][1]:.1f} rows"
                          if r.get("decode_steps", (0, None))[1] is not None else ""))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
+    for r in rows.values():  # one run's rounds give their own spread
+        r.setdefault("measured_ratio_se", ratio_se([r]))
     if len(played) > 1:
         print(f"mean of {len(played)} runs:\n{'mode':28s} {'measured':>9} {'simulated':>9} {'error':>7}")
         for name, r in rows.items():
+            se = r["measured_ratio_se"]
             print(f"{name:28s} {r['measured_ratio']:9.2f} {r['simulated_ratio']:9.2f} {100 * r['error']:+6.1f}%   "
-                  f"(measured " + ", ".join(f"{x:.2f}" for x in r["measured_ratios"]) + ")")
+                  f"(measured " + ", ".join(f"{x:.2f}" for x in r["measured_ratios"])
+                  + (f"; rounds' standard error {100 * se / r['measured_ratio']:.1f}%" if se else "") + ")")
     worst = max(abs(r["error"]) for r in rows.values())
     within = sum(abs(r["error"]) <= 0.10 for r in rows.values())
     print(f"largest ratio error {100 * worst:.1f}% (target 10%); {within} of {len(rows)} modes within 10%")
@@ -583,6 +718,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="with --out: each run measures for this long at "
                     "least (whole passes; 0: one pass)")
     ap.add_argument("--costs", type=Path, help="a cost model written by --out")
+    ap.add_argument("--shared-only", action="store_true", help="with --out and --costs: keep that cost model's "
+                    "pieces and measure the shared-core slowdowns again, paired in time (~3 minutes a repeat)")
     ap.add_argument("--check", type=Path, nargs="+", help="bench_async results files to compare the simulator "
                     "with (several: also with their mean ratios, mode by mode)")
     ap.add_argument("--check-out", type=Path, help="write the comparison here")
@@ -604,19 +741,27 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args._threads)
-        fn = measure_engine if args._child == "engine" else measure_trainer
-        result = fn(args._model, args._seconds)
+        if args._child.endswith("_steps"):
+            result = steps_loop(args._child.removesuffix("_steps"), args._model, args._seconds)
+        else:
+            fn = measure_engine if args._child == "engine" else measure_trainer
+            result = fn(args._model, args._seconds)
         if args._out:
             args._out.write_text(json.dumps(result))
         return
     if args.out:
         if args.repeats < 1 or args.seconds < 0:
             ap.error("--repeats must be at least 1 and --seconds at least 0")
-        measure(args.out, args.repeats, args.seconds)
+        if args.shared_only:
+            if not args.costs:
+                ap.error("--shared-only needs --costs: the cost model whose pieces it keeps")
+            measure_shared_only(args.costs, args.out, args.repeats)
+        else:
+            measure(args.out, args.repeats, args.seconds)
     if args.check:
         if not (args.costs or args.out):
             ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")
-        check(args.costs or args.out, args.check, args.check_out, fit=not args.no_fit,
+        check(args.out or args.costs, args.check, args.check_out, fit=not args.no_fit,
               task_only=args.task_lengths, summed=args.summed_context)
     if not (args.out or args.check):
         ap.error("nothing to do: --out to measure, --check to compare")

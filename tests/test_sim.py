@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import statistics
 
 import pytest
 
@@ -502,10 +503,15 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
         assert r["simulated_ratio"] == pytest.approx(one[name]["simulated_ratio"])
         assert r["measured_ratios"] == [one[name]["measured_ratio"]] * 2
     assert got["within_10_percent"] == sum(abs(r["error"]) <= 0.10 for r in one.values())
-    mean = cal.mean_of_runs([{"modes": {"a": {"measured_ratio": 1.0, "simulated_ratio": 1.2}}},
-                             {"modes": {"a": {"measured_ratio": 1.4, "simulated_ratio": 1.2},
+    mean = cal.mean_of_runs([{"modes": {"a": {"measured_ratio": 1.0, "simulated_ratio": 1.2,
+                                              "measured_ratio_rounds": [0.9, 1.1]}}},
+                             {"modes": {"a": {"measured_ratio": 1.4, "simulated_ratio": 1.2,
+                                              "measured_ratio_rounds": [1.3, None, 1.5]},
                                         "b": {"measured_ratio": 1.0, "simulated_ratio": 1.0}}}])
     assert mean.keys() == {"a"} and mean["a"]["error"] == pytest.approx(0.0)  # b is not in every run
+    # the mean's standard error from the four rounds' ratios (a round without one left out)
+    assert mean["a"]["measured_ratio_se"] == pytest.approx(statistics.stdev([0.9, 1.1, 1.3, 1.5]) / 2)
+    assert cal.ratio_se([{"measured_ratio_rounds": [1.2]}]) is None and cal.ratio_se([{}]) is None
 
 
 def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
@@ -575,10 +581,10 @@ def test_the_calibration_fits_each_thread_count_to_its_median_run(monkeypatch) -
     assert cal.median_run(runs[:1], cal.typical_decode_s) is runs[0]
 
 
-def test_the_calibration_alternates_its_runs_and_pairs_each_slowdown_with_its_own_repeat(tmp_path, monkeypatch) -> None:
-    """measure(): per repeat one run of each piece with 1 and 2 threads, then each beside the other process; the
-    cost model takes each thread count's median run, each slowdown the median of the ratios, each ratio against
-    the one-thread run of the same repeat; every run's typical step is kept."""
+def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdown(tmp_path, monkeypatch) -> None:
+    """measure(): per repeat one run of each piece with 1 and 2 threads, then each side's paired slowdown beside the
+    other process; the cost model takes each thread count's median run, each slowdown the median of its repeats;
+    every run's typical step is kept. --shared-only keeps a cost model's pieces and measures the slowdowns again."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
@@ -601,26 +607,32 @@ def test_the_calibration_alternates_its_runs_and_pairs_each_slowdown_with_its_ow
             return engine(next(one) if threads == 1 else 1.5)
         return trainer(300.0 if threads == 1 else 200.0)
 
-    beside_decode = iter([2.4, 4.0, 3.3])  # ratios 1.2, 0.8, 1.1 against their own repeat's one-thread run
+    paired = {"engine": iter([1.2, 0.8, 1.1, 1.3]), "trainer": iter([1.1, 1.0, 1.05, 1.0])}
 
-    def beside(kind, other, model_path, seconds=0.0):
-        calls.append(("beside-" + kind, 1, seconds))
-        return engine(next(beside_decode)) if kind == "engine" else trainer(330.0)
+    def paired_slowdown(kind, other, model_path):
+        calls.append(("paired-" + kind, other))
+        return {"slowdown": next(paired[kind])}
 
     monkeypatch.setattr(cal, "_model", lambda tmp: tmp / "model")
     monkeypatch.setattr(cal, "run_child", run_child)
-    monkeypatch.setattr(cal, "beside", beside)
+    monkeypatch.setattr(cal, "paired_slowdown", paired_slowdown)
     out = tmp_path / "costs.json"
     cal.measure(out, repeats=3, seconds=4.0)
     got = json.loads(out.read_text())
     assert calls[:6] == [("engine", 1, 4.0), ("trainer", 1, 4.0), ("engine", 2, 4.0), ("trainer", 2, 4.0),
-                         ("beside-engine", 1, 4.0), ("beside-trainer", 1, 4.0)] and len(calls) == 18
+                         ("paired-engine", "trainer"), ("paired-trainer", "engine")] and len(calls) == 18
     assert got["repeats"]["threads1"]["decode_ms"] == pytest.approx([2.0, 5.0, 3.0])
     assert got["repeats"]["shared_slowdown"]["decode"] == pytest.approx([1.2, 0.8, 1.1])
     slow = got["shared_slowdown"]
-    assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.1)
+    assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.05)
+    assert slow["mean"] == pytest.approx(1.075)
     c1 = got["threads1"]
     assert c1["decode_s"] + 32 * c1["decode_per_row_s"] + 640 * c1["decode_per_context_token_s"] == pytest.approx(3e-3)
+    again = tmp_path / "again.json"
+    cal.measure_shared_only(out, again, repeats=1)
+    redone = json.loads(again.read_text())
+    assert redone["threads1"] == got["threads1"] and redone["pieces_from"] == str(out)
+    assert redone["shared_slowdown"] == pytest.approx({"decode": 1.3, "train": 1.0, "mean": 1.15})
 
 
 def test_the_calibration_prices_a_merge_and_a_rebuild_apart_from_an_admission_into_an_empty_engine(monkeypatch) -> None:
@@ -687,3 +699,34 @@ def test_a_group_the_taken_batch_leaves_behind_is_parked_not_set_aside(monkeypat
     assert_no_ticket_lost(without)
     assert parked.dropped_groups < set_aside.dropped_groups
     assert parked.restarted_samples > set_aside.restarted_samples
+
+
+def test_the_shared_core_slowdown_pairs_each_running_window_with_the_stopped_one_before_it(monkeypatch) -> None:
+    """scripts/sim_calibrate.py's paired measurement: steps are sorted into the windows they lie wholly in (one that
+    straddles a switch is left out), each cycle's mean step running is divided by the same cycle's mean step
+    stopped, and the median over the cycles is the slowdown: a machine that runs twice as fast in one cycle as in
+    another (its drift) moves no ratio."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    switches = [(0.0, False), (1.0, True), (2.0, False), (3.0, True), (4.0, False), (5.0, True)]
+
+    def steps(start: float, end: float, step: float) -> list[tuple[float, float]]:
+        out, t = [], start
+        while t + step <= end:
+            out.append((t, t + step))
+            t += step
+        return out
+
+    speed = [1.0, 0.5, 1.0]  # the second cycle's machine twice as fast
+    ops = [op for k, f in enumerate(speed) for op in steps(2 * k, 2 * k + 1, 0.1 * f) + steps(2 * k + 1, 2 * k + 2,
+                                                                                              0.13 * f)]
+    ops.append((1.95, 2.05))  # straddles a switch: left out whatever it took
+    assert cal.paired_ratio(ops, switches) == pytest.approx(1.3)
+    odd = [*ops, (4.0, 4.5), (5.0, 5.9)]  # a third cycle of its own: the median holds
+    assert cal.paired_ratio(odd, switches) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="in turn"):
+        cal.paired_ratio(ops, [(0.0, True), (1.0, False)])
+    with pytest.raises(ValueError, match="longer windows"):
+        cal.paired_ratio([(0.5, 1.5)], switches[:2])
