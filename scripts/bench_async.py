@@ -4,7 +4,8 @@
 
 Runs, one after another, on the same cores, config, seed, SFT warm start
 (cached) and number of trained samples (``--steps`` x B groups x G samples),
-in ``--rounds`` rounds (default 3) that each run every mode once, so a slow
+in ``--rounds`` rounds (default 3) that each run every mode once (the
+baseline twice, below), so a slow
 stretch of the machine touches every mode alike; each number reported is
 the mean over the rounds, and ``rounds`` keeps each round's samples/s,
 overhead and set-asides (a 60-step run lasts about 30 s, and one run's
@@ -347,7 +348,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=3,
-                        help="runs of each mode, in rounds that each run every mode once; numbers are their means")
+                        help="rounds, each running every mode once (the baseline first and last); numbers are means")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

@@ -32,12 +32,9 @@ to show the spread:
 * ``shared_slowdown``: decode steps while another process trains, and train
   steps while another process decodes, against the same steps with that
   process stopped (SIGSTOP) in the windows between, paired in time
-  (:func:`paired_slowdown`; the mean of the two). Up to ``sim_costs_s20``
-  each side beside the other was one run against the one-thread run of
-  the same repeat, minutes apart, and the machine's drift in between read
-  as a slowdown (0.85-1.24x in one calibration's repeats).
-  ``--shared-only`` measures only these, into a copy of a cost model
-  (``--costs``) whose pieces it keeps.
+  (:func:`paired_slowdown`; the mean of the two; a cost model measured so
+  says ``"shared": "paired"``). ``--shared-only`` measures only these,
+  into a copy of a cost model (``--costs``) whose pieces it keeps.
 
 What crosses processes is taken from the run being checked (``--check``):
 the trainer's publish time per step (``time/publish_s``: collective or disk)
@@ -320,13 +317,17 @@ def paired_slowdown(kind: str, other: str, model_path: Path, cycles: int = 10, w
     """How much ``kind``'s steps (one thread) slow while a process runs ``other`` (one thread) on the same cores,
     paired in time: the other process is stopped and continued (SIGSTOP, SIGCONT) every ``window_s`` for
     ``cycles`` cycles while ``kind`` repeats one operation (:func:`steps_loop`), and each cycle's mean step with
-    the other running is divided by the same cycle's mean step with it stopped (steps that straddle a switch
-    left out); the slowdown is the median over the cycles. Measuring alone and beside in separate runs minutes
-    apart, as the calibrations up to ``sim_costs_s20`` did, left the machine's own drift in the ratio: their
-    repeats read 0.85-1.24x (decode) and 0.70-1.23x (train) in one calibration."""
+    the other running is divided by the same cycle's mean step with it stopped (:func:`cycle_ratios`); the
+    slowdown is the median over the cycles. Both processes are ended on the way out, whatever ended the
+    measurement (SIGTERM included: the other one is never left stopped); one that dies midway fails it."""
     import signal
 
+    def interrupted(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
     load = _child(other, 1, model_path, 3600.0, None)
+    child = None
     try:
         time.sleep(8.0)  # the other one past its start-up
         with tempfile.TemporaryDirectory() as tmp:
@@ -338,39 +339,44 @@ def paired_slowdown(kind: str, other: str, model_path: Path, cycles: int = 10, w
             switches = []  # (time, the other one running after it)
             for _ in range(cycles):
                 for running in (False, True):
+                    if load.poll() is not None:
+                        raise SystemExit(f"the {other} process ended during the paired {kind} measurement")
                     load.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
                     switches.append((time.monotonic(), running))
                     time.sleep(window_s)
+            end = time.monotonic()  # the last window's end: what runs after it is left out
             if child.wait() != 0:
                 raise SystemExit(f"the paired {kind} measurement failed")
             ops = json.loads(out.read_text())["ops"]
     finally:
-        load.send_signal(signal.SIGCONT)
-        load.kill()
-        load.wait()
-    return {"slowdown": paired_ratio(ops, switches), "cycles": cycles, "window_s": window_s}
+        for proc in (child, load):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+        signal.signal(signal.SIGTERM, previous)
+    ratios = cycle_ratios(ops, switches, end)
+    return {"slowdown": float(np.median(ratios)), "cycle_ratios": ratios, "window_s": window_s}
 
 
-def paired_ratio(ops: list[tuple[float, float]], switches: list[tuple[float, bool]]) -> float:
-    """The median over cycles (a stopped window, then a running one) of mean step running / mean step stopped;
-    a step counts in the window it lies wholly in (the last window ends at the last step's end)."""
-    bounds = [t for t, _ in switches] + [max((b for _, b in ops), default=0.0) + 1.0]
+def cycle_ratios(ops: list[tuple[float, float]], switches: list[tuple[float, bool]], end: float) -> list[float]:
+    """Each cycle's (a stopped window, then a running one) mean step running over its mean step stopped, in time
+    order; a step counts in the window it lies wholly in (the last window ends at ``end``); a cycle without a
+    whole step in both windows is left out."""
+    if any(running != (k % 2 == 1) for k, (_, running) in enumerate(switches)) or len(switches) % 2:
+        raise ValueError("switches: a stopped window, then a running one, in turn, whole cycles")
+    bounds = [t for t, _ in switches] + [end]
     windows: list[list[float]] = [[] for _ in switches]
     for a, b in ops:
         for k in range(len(switches)):
             if bounds[k] <= a and b <= bounds[k + 1]:
                 windows[k].append(b - a)
                 break
-    ratios = []
-    for k in range(0, len(switches) - 1, 2):
-        stopped, running = windows[k], windows[k + 1]
-        if switches[k][1] or not switches[k + 1][1]:
-            raise ValueError("switches: a stopped window, then a running one, in turn")
-        if stopped and running:
-            ratios.append(float(np.mean(running) / np.mean(stopped)))
+    ratios = [float(np.mean(windows[k + 1]) / np.mean(windows[k]))
+              for k in range(0, len(switches), 2) if windows[k] and windows[k + 1]]
     if not ratios:
         raise ValueError("no cycle held a whole step in both of its windows: longer windows")
-    return float(np.median(ratios))
+    return ratios
 
 
 def costs_from(engine: dict, trainer: dict) -> dict:
@@ -429,13 +435,10 @@ def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -
 
 def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
     """The pieces with 1 and 2 threads and the shared-core slowdowns, ``repeats`` times in alternation (1, 2,
-    beside, 1, 2, beside ...). Each thread count's cost model is fitted to its median run (by the typical decode
-    step; the trainer by the typical train step), and each slowdown is the median of its runs' ratios, each run
-    against the one-thread run of the same repeat. Each run measures for ``seconds`` at least (whole passes over its
-    grid). One short run is not enough on these shared cores: the single short runs of the calibrations before
-    (``bench/sim_costs*.json`` up to ``sim_costs_s16``) put two threads' decode speed-up anywhere from 0.45x to
-    1.31x, and three 8-second runs of this one read the one-thread decode step at 4.5 to 5.6 ms
-    (``bench/sim_costs_s18.json``, ``repeats``)."""
+    paired, 1, 2, paired ...). Each thread count's cost model is fitted to its median run (by the typical decode
+    step; the trainer by the typical train step), and each slowdown is the median of its repeats' paired
+    measurements (:func:`measure_shared`). Each run measures for ``seconds`` at least (whole passes over its
+    grid): one short run is not enough on these shared cores (docs/performance.md, the simulator's calibration)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_path = _model(Path(tmp))
         runs: dict[int, dict[str, list]] = {1: {"engine": [], "trainer": []}, 2: {"engine": [], "trainer": []}}
@@ -450,7 +453,7 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
             fitted = result[f"threads{threads}"] = costs_from(engine, trainer)
             print(f"{threads} thread(s), median run: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()),
                   flush=True)
-        result["shared_slowdown"] = shared_medians(ratios)
+        result.update(shared_slowdown=shared_medians(ratios), shared="paired")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
@@ -749,6 +752,8 @@ def main() -> None:
         if args._out:
             args._out.write_text(json.dumps(result))
         return
+    if args.shared_only and not args.out:
+        ap.error("--shared-only needs --out: where the cost model with the slowdowns measured again goes")
     if args.out:
         if args.repeats < 1 or args.seconds < 0:
             ap.error("--repeats must be at least 1 and --seconds at least 0")

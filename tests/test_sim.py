@@ -515,9 +515,9 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
 
 
 def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
-    """Each mode runs once per round (the baseline first and last); a field is the mean over the runs (a count a
-    round lacks is 0 there, a None left out, text as the first round had it), and each round's ratio is taken
-    against the mean of the same round's baseline runs; a mode named twice is refused."""
+    """Each mode runs once per round, the baseline twice (first and last); a field is the mean over the runs (a
+    count a round lacks is 0 there, a None left out, text as the first round had it), and each round's ratio is
+    taken against the mean of the same round's baseline runs; a mode named twice is refused."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
@@ -703,30 +703,41 @@ def test_a_group_the_taken_batch_leaves_behind_is_parked_not_set_aside(monkeypat
 
 def test_the_shared_core_slowdown_pairs_each_running_window_with_the_stopped_one_before_it(monkeypatch) -> None:
     """scripts/sim_calibrate.py's paired measurement: steps are sorted into the windows they lie wholly in (one that
-    straddles a switch is left out), each cycle's mean step running is divided by the same cycle's mean step
-    stopped, and the median over the cycles is the slowdown: a machine that runs twice as fast in one cycle as in
-    another (its drift) moves no ratio."""
+    straddles a switch, or runs past the last window's end, is left out), and each cycle's mean step running is
+    divided by the same cycle's mean step stopped: a machine that runs twice as fast in one cycle as in another
+    (its drift) moves no cycle's ratio, where pooling the windows would."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     cal = load_script("sim_calibrate")
-    switches = [(0.0, False), (1.0, True), (2.0, False), (3.0, True), (4.0, False), (5.0, True)]
+    switches = [(0.0, False), (1.0, True), (2.0, False), (3.0, True)]
 
     def steps(start: float, end: float, step: float) -> list[tuple[float, float]]:
-        out, t = [], start
-        while t + step <= end:
-            out.append((t, t + step))
-            t += step
-        return out
+        return [(start + k * step, start + (k + 1) * step) for k in range(round((end - start) / step))]
 
-    speed = [1.0, 0.5, 1.0]  # the second cycle's machine twice as fast
-    ops = [op for k, f in enumerate(speed) for op in steps(2 * k, 2 * k + 1, 0.1 * f) + steps(2 * k + 1, 2 * k + 2,
-                                                                                              0.13 * f)]
-    ops.append((1.95, 2.05))  # straddles a switch: left out whatever it took
-    assert cal.paired_ratio(ops, switches) == pytest.approx(1.3)
-    odd = [*ops, (4.0, 4.5), (5.0, 5.9)]  # a third cycle of its own: the median holds
-    assert cal.paired_ratio(odd, switches) == pytest.approx(1.3)
+    # cycle 1 on a machine four times slower than in cycle 2: 5 steps of 0.2 s stopped, 3 of 0.26 running; cycle 2:
+    # 20 of 0.05 stopped and 14 of 0.065 running
+    stopped, running = steps(0, 1, 0.2) + steps(2, 3, 0.05), steps(1, 1.78, 0.26) + steps(3, 3.91, 0.065)
+    ops = stopped + running
+    assert cal.cycle_ratios(ops, switches, end=4.0) == pytest.approx([1.3, 1.3])
+    pooled = statistics.mean(b - a for a, b in running) / statistics.mean(b - a for a, b in stopped)
+    assert pooled == pytest.approx(1.243, abs=1e-3)  # what pooling the two cycles' windows would read
+    # a step across a switch, and one running past the end, would each pull a ratio if they were counted
+    assert cal.cycle_ratios([*ops, (0.95, 1.9), (3.5, 4.9)], switches, end=4.0) == pytest.approx([1.3, 1.3])
+    assert cal.cycle_ratios([*ops, (3.5, 3.99)], switches, end=4.0)[1] == pytest.approx(
+        (0.91 + 0.49) / 15 / 0.05)
     with pytest.raises(ValueError, match="in turn"):
-        cal.paired_ratio(ops, [(0.0, True), (1.0, False)])
+        cal.cycle_ratios(ops, [(0.0, True), (1.0, False)], end=2.0)
+    with pytest.raises(ValueError, match="in turn"):
+        cal.cycle_ratios(ops, switches[:3], end=4.0)
+    only_across = [(0.5, 1.5), (2.5, 3.5)]  # no step wholly inside a window, only across the switches
     with pytest.raises(ValueError, match="longer windows"):
-        cal.paired_ratio([(0.5, 1.5)], switches[:2])
+        cal.cycle_ratios(only_across, switches, end=4.0)
+    assert cal.cycle_ratios([(0.5, 1.5), *steps(2, 3, 0.05), *steps(3, 3.91, 0.065)], switches, end=4.0) == \
+        pytest.approx([1.3])  # the first cycle has no whole step stopped: left out
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_calibrate.py"), "--shared-only", "--costs",
+                              str(ROOT / "bench" / "sim_costs_s24.json")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--shared-only needs --out" in refused.stderr
