@@ -60,7 +60,12 @@ standard error, from the ratios of all its rounds (each against its own
 round's baseline): what the machine's noise leaves uncertain in it. Each
 mode's line also gives the engine's decode steps and their mean batch
 (rows), simulated / measured: with the decode time per step, they tell a
-gap in the cost of a step from one in the number of steps.
+gap in the cost of a step from one in the number of steps. Where the run
+recorded the engine's decode steps by rows (``decode_by_rows``, since
+2026-11-29), a second line gives each bin's measured time a step against
+what the played cost model (its fitted level, no shared-core slowdown)
+prices a step of that bin's mean rows and context: the loop's cost of a
+step against its batch.
 """
 
 from __future__ import annotations
@@ -600,7 +605,7 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
         work, costs = mode_setup(name, run, measured, uniform, task_only, (shapes or {}).get(name, ()))
         costs = scaled(costs, factors)  # the loop's overhead on each piece, as the baseline measured it
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
-        engine = run.get("rollout_stats", {}).get("engine", {})
+        engine = (run.get("rollout_stats") or {}).get("engine") or {}
         rows[name] = {"measured_samples_per_s": run["samples_per_s"],
                       # each round's ratio against its own round's baseline (bench_async since 2026-11-28)
                       "measured_ratio_rounds": run.get("ratio_samples_rounds"),
@@ -620,6 +625,10 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
                       "decode_steps": (float(np.mean([r.decode_steps for r in sims])), engine.get("decode_steps")),
                       "decode_batch": (float(np.mean([r.decode_rows / max(1, r.decode_steps) for r in sims])),
                                        engine.get("mean_running_batch_size")),
+                      # the real engine's decode steps by rows (bench_async since 2026-11-29): ms a step measured
+                      # and as the played cost model prices a step of the bin's mean rows and context (its fitted
+                      # level; the shared-core slowdown left out)
+                      "decode_by_rows": decode_by_rows(engine, costs),
                       # seconds per trainer step in each phase, simulated and (where the run has its split) measured
                       "phases_per_step": {k: (float(np.mean([r.phases.get(k, 0.0) for r in sims])) / run["steps"],
                                               v / run["steps"]) for k, v in phases_of(run).items()}}
@@ -681,6 +690,9 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                       + (f"; decode steps {r['decode_steps'][0]:.0f}/{r['decode_steps'][1]:.0f} of "
                          f"{r['decode_batch'][0]:.1f}/{r['decode_batch'][1]:.1f} rows"
                          if r.get("decode_steps", (0, None))[1] is not None else ""))
+            if r.get("decode_by_rows"):  # ms a decode step, measured / the model's, by rows (steps)
+                print("    decode by rows, ms a step measured/model: " + ", ".join(
+                    f"<={k} {a:.1f}/{b:.1f} ({n})" for k, (a, b, n) in r["decode_by_rows"].items()))
     rows = played[0]["modes"] if len(played) == 1 else mean_of_runs(played)
     for r in rows.values():  # one run's rounds give their own spread
         r.setdefault("measured_ratio_se", ratio_se([r]))
@@ -701,6 +713,17 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                                    if len(played) > 1 else str(results_files[0]), **single, "modes": rows,
                                    "largest_error": worst, "within_10_percent": within}, indent=1))
         print(f"wrote {out}")
+
+
+def decode_by_rows(engine: dict, costs: Costs) -> dict[str, tuple[float, float, int]]:
+    """Per bin of the engine's ``decode_by_rows``: (ms a step measured, ms a step as ``costs`` price the bin's mean
+    rows and context, steps); empty for a run that did not record them."""
+    out = {}
+    for key, b in sorted(engine.get("decode_by_rows", {}).items(), key=lambda kv: int(kv[0])):
+        if b.get("steps"):
+            n = b["steps"]
+            out[key] = (1e3 * b["s"] / n, 1e3 * costs.decode(b["rows"] / n, b["context"] / n), round(n))
+    return out
 
 
 def phases_of(run: dict) -> dict[str, float]:

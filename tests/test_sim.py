@@ -741,3 +741,20 @@ def test_the_shared_core_slowdown_pairs_each_running_window_with_the_stopped_one
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_calibrate.py"), "--shared-only", "--costs",
                               str(ROOT / "bench" / "sim_costs_s24.json")], capture_output=True, text=True)
     assert refused.returncode == 2 and "--shared-only needs --out" in refused.stderr
+
+
+def test_the_check_prices_each_bin_of_real_decode_steps_at_its_mean_rows_and_context(monkeypatch) -> None:
+    """sim_calibrate.decode_by_rows: a bin's measured ms a step against the cost model's price of a step of the bin's
+    mean rows and mean context (linear: the mean of the steps' prices), in the order of the bins' rows."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    costs = Costs(decode_s=1e-3, decode_per_row_s=1e-4, decode_per_context_token_s=1e-6)
+    engine = {"decode_by_rows": {"64": {"steps": 4, "rows": 240, "s": 0.04, "context": 8000},
+                                 "8": {"steps": 2, "rows": 10, "s": 0.004, "context": 100}, "16": {"steps": 0}}}
+    got = cal.decode_by_rows(engine, costs)
+    assert list(got) == ["8", "64"]  # a bin without steps is left out
+    assert got["8"] == pytest.approx((2.0, 1.0 + 0.5 + 0.05, 2))
+    assert got["64"] == pytest.approx((10.0, 1.0 + 6.0 + 2.0, 4))
+    assert cal.decode_by_rows({}, costs) == {}

@@ -33,7 +33,12 @@ are free (or all of them fit, or nothing runs), so each prefill forward
 serves several rows instead of one or two per decode step. Rows with the
 same context (the samples of one prompt group) are prefilled once and the
 cache row is copied. ``stats`` keeps
-the time spent in prefill for admission, cache rebuilds and decode steps.
+the time spent in prefill for admission, cache rebuilds and decode steps,
+and ``decode_by_rows``: the decode steps by their rows (bins of 8, the key
+each bin's top), each bin's steps, rows, seconds and padded context tokens
+(rows times the longest, pending tokens counted) summed: what a decode step costs
+in the running loop against what it holds, for the pipeline simulator's
+check (``scripts/sim_calibrate.py``). Fixed in size however long the run.
 """
 
 from __future__ import annotations
@@ -129,10 +134,10 @@ class TorchEngine:
         self._running: list[_Seq] = []
         self._cache: DynamicCache | None = None  # None while no row has a cached token
         self._check_cache_layers()
-        self.stats: dict[str, float] = {
+        self.stats: dict[str, float | dict] = {
             "tokens_generated": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_calls": 0,
             "weight_updates": 0, "running_sum": 0, "mean_running_batch_size": 0.0,
-            "admit_prefill_s": 0.0, "rebuild_prefill_s": 0.0, "decode_s": 0.0,
+            "admit_prefill_s": 0.0, "rebuild_prefill_s": 0.0, "decode_s": 0.0, "decode_by_rows": {},
         }
 
     def _check_cache_layers(self) -> None:
@@ -310,11 +315,20 @@ class TorchEngine:
     # ----------------------------------------------------------------- decoding
 
     def _decode(self) -> list[Completion]:
+        rows = len(self._running)
+        context = rows * (_cache_len(self._cache) + 1)  # every row as long as the longest, its pending token too
         t0 = time.perf_counter()
         try:
             return self._decode_step()
         finally:
-            self.stats["decode_s"] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.stats["decode_s"] += took
+            shape = self.stats["decode_by_rows"].setdefault(str(-(-rows // 8) * 8), {"steps": 0, "rows": 0,
+                                                                                      "s": 0.0, "context": 0})
+            shape["steps"] += 1
+            shape["rows"] += rows
+            shape["s"] += took
+            shape["context"] += context
 
     def _decode_step(self) -> list[Completion]:
         seqs = self._running
