@@ -90,13 +90,14 @@ def test_greedy_continuous_batching_matches_hf_generate():
 def test_decode_steps_are_kept_by_their_rows_with_their_time_and_padded_context():
     """stats["decode_by_rows"]: every decode step in the bin of its rows (8 wide, keyed by its top), with its rows,
     its time and the context it held, rows times the longest row (pending token counted), summed."""
-    engine = TorchEngine(tiny_model(1), eos_token_id=EOS, pad_token_id=PAD, max_batch_size=12, min_admit=12,
+    engine = TorchEngine(tiny_model(1), eos_token_id=EOS, pad_token_id=PAD, max_batch_size=12,
                          sampling=SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert set(engine.stats["decode_by_rows"]) == {"8", "16"}  # every bin there from the start, empty
     ps = prompts(10, seed=2, lo=5, hi=5)  # one length: no row's drop cuts the cache
     reqs = [Request(i, p, max_new_tokens=2 + i) for i, p in enumerate(ps)]  # one row ends at each step from the 2nd
     engine.generate(reqs)
     bins, st = engine.stats["decode_by_rows"], engine.stats
-    assert set(bins) == {"8", "16"}  # 10, 10 and 9 rows, then 8 and fewer
+    assert set(bins) == {"8", "16"}  # every bin up to max_batch_size: 10, 10 and 9 rows, then 8 and fewer
     assert sum(b["steps"] for b in bins.values()) == st["decode_steps"] == 11
     assert sum(b["s"] for b in bins.values()) == pytest.approx(st["decode_s"])
     # 10 rows of the 5-token prompt, then of 6 tokens, then 9 rows of 7: each step's rows times the longest row

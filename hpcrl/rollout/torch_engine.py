@@ -137,7 +137,10 @@ class TorchEngine:
         self.stats: dict[str, float | dict] = {
             "tokens_generated": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_calls": 0,
             "weight_updates": 0, "running_sum": 0, "mean_running_batch_size": 0.0,
-            "admit_prefill_s": 0.0, "rebuild_prefill_s": 0.0, "decode_s": 0.0, "decode_by_rows": {},
+            "admit_prefill_s": 0.0, "rebuild_prefill_s": 0.0, "decode_s": 0.0,
+            # every bin from the start, so that stats averaged over runs count an empty bin as 0
+            "decode_by_rows": {str(8 * k): {"steps": 0, "rows": 0, "s": 0.0, "context": 0}
+                               for k in range(1, -(-max_batch_size // 8) + 1)},
         }
 
     def _check_cache_layers(self) -> None:
@@ -323,8 +326,7 @@ class TorchEngine:
         finally:
             took = time.perf_counter() - t0
             self.stats["decode_s"] += took
-            shape = self.stats["decode_by_rows"].setdefault(str(-(-rows // 8) * 8), {"steps": 0, "rows": 0,
-                                                                                      "s": 0.0, "context": 0})
+            shape = self.stats["decode_by_rows"][str(-(-rows // 8) * 8)]
             shape["steps"] += 1
             shape["rows"] += rows
             shape["s"] += took
