@@ -207,18 +207,24 @@ def _groups(rng: random.Random, scale: int):
     return groups
 
 
-def measure_trainer(model_path: Path, seconds: float = 0.0) -> dict:
-    """train_step against tokens; the in-process weight hand-over; the spool per group; a ledger ticket."""
+def _trainer(model_path: Path):
+    """The FSDP2 train engine on one gloo rank of this process."""
     from hpcrl.algo.config import AlgoConfig
     from hpcrl.runtime.dist import free_port, init_from_env
-    from hpcrl.trainer import batch as tb
     from hpcrl.trainer.config import TrainerConfig
     from hpcrl.trainer.engine import build_train_engine
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    ctx = init_from_env("gloo")
-    engine = build_train_engine("fsdp", model_path, TrainerConfig(world_size=1, total_steps=10_000),
-                                AlgoConfig(), ctx, pad_id=0, dtype="float32")
+    return build_train_engine("fsdp", model_path, TrainerConfig(world_size=1, total_steps=1_000_000),
+                              AlgoConfig(), init_from_env("gloo"), pad_id=0, dtype="float32")
+
+
+def measure_trainer(model_path: Path, seconds: float = 0.0) -> dict:
+    """train_step against tokens; the in-process weight hand-over; the spool per group; a ledger ticket."""
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.trainer import batch as tb
+
+    engine = _trainer(model_path)
     rng, steps = random.Random(1), []
     target = _engine(model_path)
     engine.train_step(tb.to_sequences(_groups(rng, 1), AlgoConfig())[0])  # warm-up
@@ -280,42 +286,42 @@ def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0) -
 
 def steps_loop(kind: str, model_path: Path, seconds: float) -> dict:
     """The same operation over and over for ``seconds``, each one's start and end on the system's monotonic clock
-    (which every process shares): a decode step of a batch of 32 rows (4 groups, decoded to the end, then again:
-    every window of a second or more holds the same mix of contexts), or a train step on one batch of the task."""
-    ops: list[tuple[float, float]] = []
+    (which every process shares): ``engine``, a decode step of a batch of 32 rows (4 groups, decoded to the end,
+    then admitted again, untimed: every window of a second or more holds the same mix of contexts); ``trainer``, a
+    train step on one batch of the task."""
     if kind == "engine":
         from hpcrl.rollout.engine import Request
 
         engine, rng = _engine(model_path), random.Random(0)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for g in range(4):
-                prompt = [rng.randrange(3, 60) for _ in range(20)]
-                for i in range(G):
-                    engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
-            engine.poll()  # the admission's prefill, left out
-            while engine.num_running():
-                t0 = time.monotonic()
-                engine.poll()
-                ops.append((t0, time.monotonic()))
-        return {"ops": ops}
-    from hpcrl.algo.config import AlgoConfig
-    from hpcrl.runtime.dist import free_port, init_from_env
-    from hpcrl.trainer import batch as tb
-    from hpcrl.trainer.config import TrainerConfig
-    from hpcrl.trainer.engine import build_train_engine
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    trainer = build_train_engine("fsdp", model_path, TrainerConfig(world_size=1, total_steps=1_000_000),
-                                 AlgoConfig(), init_from_env("gloo"), pad_id=0, dtype="float32")
+        def refill() -> None:
+            if not engine.num_running():
+                for g in range(4):
+                    prompt = [rng.randrange(3, 60) for _ in range(20)]
+                    for i in range(G):
+                        engine.submit(Request((g, i), prompt, max_new_tokens=MAX_NEW))
+                engine.poll()  # the admission's prefill
+
+        return {"ops": _timed(engine.poll, seconds, before=refill)}
+    from hpcrl.algo.config import AlgoConfig
+    from hpcrl.trainer import batch as tb
+
+    trainer = _trainer(model_path)
     seqs, _ = tb.to_sequences(_groups(random.Random(1), 1), AlgoConfig())
     trainer.train_step(seqs)  # warm-up
-    deadline = time.monotonic() + seconds
+    return {"ops": _timed(lambda: trainer.train_step(seqs), seconds)}
+
+
+def _timed(step, seconds: float, before=None) -> list[tuple[float, float]]:
+    """``step`` repeated for ``seconds``, each call's (start, end); ``before`` runs untimed before each one."""
+    ops, deadline = [], time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if before is not None:
+            before()
         t0 = time.monotonic()
-        trainer.train_step(seqs)
+        step()
         ops.append((t0, time.monotonic()))
-    return {"ops": ops}
+    return ops
 
 
 def paired_slowdown(kind: str, other: str, model_path: Path, cycles: int = 10, window_s: float = 2.0) -> dict:
@@ -686,10 +692,10 @@ def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bo
                       + (f"; prefill calls {r['prefill_calls'][0]:.0f}/{r['prefill_calls'][1]:.0f}"
                          if r["prefill_calls"][1] is not None else "")
                       + (f"; samples restarted {r['restarted_samples'][0]:.0f}/{r['restarted_samples'][1]:.0f}"
-                         if r.get("restarted_samples", (0, None))[1] is not None else "")
+                         if r["restarted_samples"][1] is not None else "")
                       + (f"; decode steps {r['decode_steps'][0]:.0f}/{r['decode_steps'][1]:.0f} of "
                          f"{r['decode_batch'][0]:.1f}/{r['decode_batch'][1]:.1f} rows"
-                         if r.get("decode_steps", (0, None))[1] is not None else ""))
+                         if r["decode_steps"][1] is not None else ""))
             if r.get("decode_by_rows"):  # ms a decode step, measured / the model's, by rows (steps)
                 print("    decode by rows, ms a step measured/model: " + ", ".join(
                     f"<={k} {a:.1f}/{b:.1f} ({n})" for k, (a, b, n) in r["decode_by_rows"].items()))
