@@ -79,6 +79,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -312,7 +313,8 @@ def steps_loop(kind: str, model_path: Path, seconds: float) -> dict:
     return {"ops": _timed(lambda: trainer.train_step(seqs), seconds)}
 
 
-def _timed(step, seconds: float, before=None) -> list[tuple[float, float]]:
+def _timed(step: Callable[[], object], seconds: float,
+           before: Callable[[], None] | None = None) -> list[tuple[float, float]]:
     """``step`` repeated for ``seconds``, each call's (start, end); ``before`` runs untimed before each one."""
     ops, deadline = [], time.monotonic() + seconds
     while time.monotonic() < deadline:
