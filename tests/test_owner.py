@@ -150,6 +150,31 @@ def test_only_admitted_work_is_trained(tmp_path) -> None:
     assert ledger.pending_reissues() == [] and ledger.dropped() == {}
 
 
+def test_a_ticket_recorded_dropped_is_never_trained(tmp_path) -> None:
+    """The feed lists the drop records at its first look and then follows its own: a file of a ticket dropped
+    before it started, or dropped by it (a group left out as uniform), is quarantined, not trained."""
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=3, max_staleness=0), 50, 1)
+    spool = Spool(tmp_path / "spool")
+    feed = BatchFeed(spool, ledger, 1, 0, timeout_s=2, poll_s=0.001,
+                     keep=lambda g: g.samples[0].reward != 9.0)
+    early, uniform, good = (ledger.try_admit(0, "r0-a") for _ in range(3))
+    ledger.record_drop(early.index, "run ended before it was trained")  # by an earlier process
+    spool.publish(group(ledger, early.index, "r0-a"))
+    bad = group(ledger, uniform.index, "r0-a")
+    for s in bad.samples:
+        s.reward = 9.0
+    spool.publish(bad)
+    spool.publish(group(ledger, good.index, "r0-a"))
+    assert [g.ticket for g in feed.next_batch(0)] == [good.index]
+    feed.commit(0)
+    assert ledger.dropped() == {early.index: "run ended before it was trained", uniform.index: "uniform"}
+    spool.publish(group(ledger, uniform.index, "r0-a", version=1))  # the dropped ticket's file again
+    with pytest.raises(BatchTimeout):
+        feed.next_batch(1)
+    reasons = {e.ticket: spool.reason(e)["reason"] for e in spool.quarantined()}
+    assert "recorded as dropped" in reasons[early.index] and "recorded as dropped" in reasons[uniform.index]
+
+
 def test_stale_file_is_reissued_only_by_its_holder(tmp_path) -> None:
     ledger, spool, feed = _feed(tmp_path, b=1, eta=0)
     t = ledger.try_admit(0, "r0-a")

@@ -345,7 +345,10 @@ def test_a_corrupt_file_arriving_while_the_batch_waits_is_quarantined_then_not_a
         feed.close()
 
 
-def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Path, monkeypatch) -> None:
+def test_files_the_feed_names_are_parsed_at_once_without_a_listing(tmp_path: Path, monkeypatch) -> None:
+    """A file the feed has listed and waits on is handed to the worker by name: parsed at once, even one that
+    arrived within ready/'s timestamp tick (its own look skips the unchanged directory), and before the worker's
+    next look would be due."""
     import hpcrl.spool.readahead as readahead
 
     monkeypatch.setattr(readahead, "_RACY_NS", 0)
@@ -361,7 +364,11 @@ def test_relist_finds_a_file_that_arrived_within_the_timestamp_tick(tmp_path: Pa
         ahead.kick()
         wait_for(lambda: ahead.skipped >= skipped + 3)
         assert len(ahead) == 1, "unseen: the directory's timestamp did not move"
-        ahead.relist()
-        wait_for(lambda: len(ahead) == 2)
+        ahead.relist_s = 3600.0  # no look of its own is due any more: only the names can get the file parsed
+        name = spool.ready()[-1].name
+        assert not ahead.has(name)
+        ahead.kick([name, "not-a-spool-file.txt"])
+        wait_for(lambda: ahead.has(name))
+        assert len(ahead) == 2 and ahead.read(spool.ready_dir / name).ticket == 1 and ahead.hits == 1
     finally:
         ahead.close()

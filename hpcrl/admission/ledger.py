@@ -291,6 +291,10 @@ class AdmissionLedger:
         except (FileNotFoundError, ValueError):
             return None
 
+    def drop_records(self) -> set[int]:
+        """The tickets with a drop record, listed (O(drops), names only): the trainer's, once at its start."""
+        return {int(n[1:]) for n in os.listdir(self.dropped_dir) if n.startswith("t") and n[1:].isdigit()}
+
     def count_drop_records(self) -> int:
         """The drop records in ``dropped/``, listed (O(drops)): for a start and for tools, not per ticket."""
         return sum(1 for n in os.listdir(self.dropped_dir) if n.startswith("t") and n[1:].isdigit())

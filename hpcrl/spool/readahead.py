@@ -14,7 +14,12 @@ of the next batch during the current step instead, without taking them:
   thread (a daemon, started on the first kick) lists ``ready/`` every
   ``relist_s`` and parses the files it has not parsed yet, in the order the
   trainer takes them (head version, then ticket), at most ``limit`` kept at
-  once; held, it sleeps. :meth:`close` stops it (the trainer's exit).
+  once; held, it sleeps. While the batch waits, each of the feed's looks
+  ends with a kick naming the files it listed and the worker has not
+  parsed: the worker parses those at once, without a listing of its own
+  (the feed looks every 10 ms, the worker every ``relist_s``; before, the
+  files that arrived since the worker's last look were read by the pass
+  that completed the batch). :meth:`close` stops it (the trainer's exit).
 * It moves, claims and quarantines nothing, and writes nothing: what the
   trainer decides (which files, against which version, what is stale or
   invalid) is decided at claim time exactly as without it. A file it cannot
@@ -38,9 +43,8 @@ Costs: a ``stat`` of ``ready/`` every ``relist_s`` while a step trains or
 the batch waits, a
 listing only when its modification time changed since a pass that parsed
 everything it listed and began over two seconds after that modification
-(timestamps can be coarse; :meth:`relist` forces one: the feed asks for it
-while it waits on a file the worker has not parsed, so a file that arrived
-unseen by the timestamp is found within ``relist_s``), and
+(timestamps can be coarse; a file that arrived unseen by the timestamp
+is parsed once the feed's look names it), and
 two ``stat`` per file read ahead, on the shared filesystem's metadata
 server, and one ``stat`` per claimed file in the step (the open and the
 read move from the step to the worker; on Lustre a stat also asks the
@@ -74,6 +78,16 @@ log = logging.getLogger(__name__)
 _RACY_NS = 2_000_000_000
 
 
+def _spool_files(names: list[str]) -> dict[str, tuple[int, int]]:
+    """The spool files among ``names``, each with its place in the trainer's order (head version, then ticket)."""
+    out = {}
+    for name in names:
+        info = parse_name(name)
+        if info is not None:
+            out[name] = (info.min_version, info.ticket)
+    return out
+
+
 class _Identity(NamedTuple):
     dev: int
     ino: int
@@ -105,17 +119,22 @@ class ReadAhead:
         self.passes = 0  # listings of ready/ the worker finished
         self.skipped = 0  # looks at ready/ that found its modification time unchanged: no listing
         self._listed_mtime: int | None = None  # ready/'s mtime at the last pass that left nothing to parse
+        self._wanted: list[str] = []  # names the feed listed and waits on (kick): the next pass parses them
 
     def __len__(self) -> int:
         """How many parsed groups wait for their file's read."""
         with self._lock:
             return len(self._parsed)
 
-    def kick(self) -> None:
+    def kick(self, wanted: list[str] | None = None) -> None:
         """A step starts training, or the batch waits: read ahead (in the background; returns at once) until
-        :meth:`hold`."""
+        :meth:`hold`. ``wanted``: ``ready/`` files the feed has listed (oldest first) and waits on, not parsed yet:
+        parsed now, without a listing of the worker's own (its next look may be ``relist_s`` away, and a file that
+        arrived within ``ready/``'s timestamp tick would be unseen by it); a later kick's names replace them."""
         with self._cond:
-            if not self._active:
+            if wanted:
+                self._wanted = list(wanted)
+            if not self._active or wanted:
                 self._active = True
                 self._cond.notify()  # active, it looks again every relist_s by itself
         if self._thread is None:
@@ -126,11 +145,6 @@ class ReadAhead:
         """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
         with self._cond:
             self._active = False
-
-    def relist(self) -> None:
-        """List ``ready/`` at the next look even if its modification time did not change (a file the feed waits
-        for may have arrived within the timestamp's tick)."""
-        self._listed_mtime = None
 
     def has(self, name: str) -> bool:
         """Whether the file ``name`` has been through the worker: parsed (its read is a hand-over if the file is
@@ -196,6 +210,16 @@ class ReadAhead:
     def _pass(self) -> None:
         if not self._active:
             return
+        with self._lock:
+            wanted, self._wanted = self._wanted, []
+        if wanted:  # the feed's listing: no look of our own, unless room must be made (a listing finds what to drop)
+            order = _spool_files(wanted)
+            with self._lock:
+                todo = sorted((n for n in order if n not in self._parsed and n not in self._failed), key=order.get)
+                room = len(self._parsed) + len(todo) <= self.limit
+            if room:
+                self._parse(todo, None)  # nothing learnt about the rest of ready/: the next look lists it
+                return
         try:
             mtime = os.stat(self.ready_dir).st_mtime_ns
             if mtime == self._listed_mtime:
@@ -205,11 +229,7 @@ class ReadAhead:
             names = os.listdir(self.ready_dir)
         except FileNotFoundError:
             return
-        listed = {}
-        for name in names:
-            info = parse_name(name)
-            if info is not None:
-                listed[name] = (info.min_version, info.ticket)
+        listed = _spool_files(names)
         with self._lock:
             todo = sorted((n for n in listed if n not in self._parsed and n not in self._failed), key=listed.get)
             if len(self._parsed) + len(todo) > self.limit:
@@ -223,9 +243,16 @@ class ReadAhead:
         # the listing shows the directory as of ``mtime`` only if it began well after ``mtime``: with coarse
         # timestamps a file arriving in the same tick leaves ``mtime`` unchanged (git's "racily clean" rule)
         complete = mtime if len(todo) <= room and listed_at - mtime > _RACY_NS else None
-        for name in todo[:max(room, 0)]:
+        self._listed_mtime = self._parse(todo[:max(room, 0)], complete)
+
+    def _parse(self, todo: list[str], complete: int | None) -> int | None:
+        """Parse the files ``todo`` (in order, while the trainer does not take its batch and room is left);
+        returns ``complete``, or None if a file changed hands while it was parsed or the pass was cut short."""
+        for name in todo:
+            if len(self) >= self.limit:
+                return None
             if self._stop or not self._active:  # the trainer is taking its batch: out of its way
-                return
+                return None
             path = self.ready_dir / name
             try:
                 before = _Identity.of(os.stat(path))
@@ -241,4 +268,4 @@ class ReadAhead:
                 continue
             with self._lock:
                 self._parsed[name] = (before, group)
-        self._listed_mtime = complete
+        return complete

@@ -29,7 +29,9 @@ Ordering rules (rank 0 only):
 * Only admitted work is trained (design.md §4.8): every claimed file is checked
   against the ledger before it joins the batch (:meth:`BatchFeed.verdict`:
   its ticket was admitted, the dataset position in the file is the ticket's,
-  the ticket is neither trained nor dropped nor already in this batch).
+  the ticket is neither trained nor dropped nor already in this batch; the
+  drop records are listed once and then followed through the feed's own,
+  since the trainer is the only process that records drops while it runs).
   Anything else is quarantined with the reason. A file changes the ledger
   (a drop record, a reissue) only when its writer is the ticket's current
   holder and the ticket has no outcome yet (:meth:`BatchFeed.owns_outcome`),
@@ -46,7 +48,9 @@ groups, deciding nothing, and the claim takes its parse when the claimed
 file is the one it read. While fewer eligible files are there than the
 batch needs, a pass claims only the oldest ones the read-ahead has parsed
 (they still leave ``ready/`` once parsed, so a group dropped at its
-claim frees its admission slot within a look or two); the pass that can complete the
+claim frees its admission slot within a look or two) and, once its claims
+are made, names the rest it listed to the read-ahead, which parses them at
+once (:meth:`ReadAhead.kick`); the pass that can complete the
 batch holds the read-ahead and claims all it needs, reading what was not
 parsed yet. A ``wait`` that counts the groups published (the colocated loop,
 whose generation runs in this thread) has the spool looked at only once
@@ -98,6 +102,9 @@ class BatchFeed:
         self.keep = keep  # dynamic sampling: groups it rejects are dropped as "uniform"
         self.dropped = {"stale": 0, "quarantined": 0, **({"uniform": 0} if keep else {})}
         self._trained: set[int] | None = None  # tickets in trained/, read on first use (after reconcile)
+        # tickets with a drop record: listed on first use, then followed through this feed's own records (while a
+        # trainer runs it is the only process that records drops, as it is for the ledger's drop count)
+        self._drop_records: set[int] | None = None
         self._batch: set[int] = set()  # tickets of the batch being assembled
         # tells the rollouts which batch is in hand (not in colocated mode, whose rollout generates while it waits)
         self.taken = TakenMark(spool.root) if mark_taken else None
@@ -108,6 +115,17 @@ class BatchFeed:
             self._trained = {e.ticket for entries in self.spool.trained().values() for e in entries}
         return self._trained
 
+    @property
+    def drop_records(self) -> set[int]:
+        if self._drop_records is None:
+            self._drop_records = self.ledger.drop_records()
+        return self._drop_records
+
+    def record_drop(self, ticket: int, reason: str) -> None:
+        """Record ticket ``ticket`` dropped in the ledger (nothing for a ticket never admitted) and follow it."""
+        if self.ledger.record_drop(ticket, reason) or self.ledger.admitted(ticket):
+            self.drop_records.add(ticket)
+
     def verdict(self, entry: SpoolEntry, group: TrajectoryGroup | None = None) -> str | None:
         """Why this file must not be trained (None: it may be). With ``group``, its content is checked too."""
         n = entry.ticket
@@ -115,7 +133,7 @@ class BatchFeed:
             return f"ticket {n} was never admitted"
         if n in self.trained or n in self._batch:
             return f"ticket {n} is trained already (a duplicate)"
-        if self.ledger.is_dropped(n):
+        if n in self.drop_records:
             return f"ticket {n} is recorded as dropped"
         if group is not None:
             want = self.ledger.ticket(n)
@@ -139,7 +157,7 @@ class BatchFeed:
             self.spool.quarantine(entry, reason)
         log.warning("quarantined %s: %s%s", entry.name, reason, "; ticket dropped" if owned else "")
         if owned:
-            self.ledger.record_drop(entry.ticket, f"quarantined: {reason}")
+            self.record_drop(entry.ticket, f"quarantined: {reason}")
         self.dropped["quarantined"] += 1
 
     def regenerate(self, entry: SpoolEntry, kind: str, reason: str) -> None:
@@ -148,7 +166,7 @@ class BatchFeed:
         group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
         if group is None:
             if self.owns_outcome(entry):
-                self.ledger.record_drop(entry.ticket, "quarantined: unreadable")
+                self.record_drop(entry.ticket, "quarantined: unreadable")
             self.dropped["quarantined"] += 1
             return
         why = self.verdict(entry, group)
@@ -184,7 +202,9 @@ class BatchFeed:
                 arrived, left = 0, len(eligible) - len(chosen)
                 short = 1 if self.keep is not None else max(self.batch_size - len(groups) - left, 1)
                 if self.ahead is not None and len(groups) < self.batch_size:
-                    self.ahead.kick()  # still waiting (rejected groups, or too few yet): it reads on meanwhile
+                    # still waiting (rejected groups, or too few yet): it reads on meanwhile, first what this pass
+                    # saw and it had not parsed (once the claims are made: out of their way)
+                    self.ahead.kick([e.name for e in eligible[len(chosen):] if not self.ahead.has(e.name)])
                 last_pass = time.monotonic() - t_pass
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
@@ -216,8 +236,6 @@ class BatchFeed:
         n = 0
         while n < len(eligible) and self.ahead.has(eligible[n].name):
             n += 1
-        if n < len(eligible):
-            self.ahead.relist()  # not parsed yet, or unseen if it arrived within ready/'s timestamp tick
         return eligible[:n]
 
     def start(self, version: int) -> None:
@@ -255,11 +273,13 @@ class BatchFeed:
 
     def _take(self, fresh: list[SpoolEntry], groups: list[TrajectoryGroup], entries: list[SpoolEntry]) -> None:
         """Claim ``fresh`` and add the valid, kept groups to the batch; quarantine or drop the rest."""
+        if fresh:  # tickets are contiguous: one found answers for all below it (one look, not one per file)
+            self.ledger.admitted(max(e.ticket for e in fresh))
         for entry in self.spool.claim(fresh) if fresh else ():
             group = self.spool.load(entry, self._read)  # a corrupt file is quarantined here
             if group is None:
                 if self.owns_outcome(entry):  # asked only now: it reads the ledger, not the file
-                    self.ledger.record_drop(entry.ticket, "quarantined")
+                    self.record_drop(entry.ticket, "quarantined")
                 self.dropped["quarantined"] += 1
                 continue
             why = self.verdict(entry, group)
@@ -268,7 +288,7 @@ class BatchFeed:
                 continue
             if self.keep is not None and not self.keep(group):
                 self.spool.drop(entry, "uniform")
-                self.ledger.record_drop(entry.ticket, "uniform")
+                self.record_drop(entry.ticket, "uniform")
                 self.dropped["uniform"] = self.dropped.get("uniform", 0) + 1
                 continue
             groups.append(group)
