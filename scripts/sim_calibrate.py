@@ -7,13 +7,18 @@
 
 Measuring runs the pieces of ``scripts/bench_async.py``'s task (the reverse
 task's lengths, the tiny model, B = 16 groups of G = 8, 64 engine rows), each
-alone, with 1 and with 2 torch threads, in fresh processes, ``--repeats``
+in a process of its own, with 1 and with 2 torch threads, fresh, ``--repeats``
 times (3) in alternation with the shared-core runs below; each thread
 count's costs are fitted to its median run, each slowdown is the median of
 its runs, and every run's typical steps and ratios are kept (``repeats``)
 to show the spread:
 
-* the embedded engine (``TorchEngine``): every decode step's time against its
+* the embedded engine (``TorchEngine``), beside a thread that publishes the
+  task's groups into a spool at the rate the colocated loop's spool writer
+  does while it generates (:class:`Companion`, ``COMPANION_GROUPS_PER_S``;
+  cost files from before 2026-11-29 measured the engine alone, which made two
+  torch threads 1.3x faster than one where the loop found them no faster):
+  every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
   prefill of admitted groups against tokens, into an empty engine and into
@@ -71,12 +76,14 @@ step against its batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -91,6 +98,9 @@ from hpcrl.sim import Costs, Workload, fit_phases, simulate  # noqa: E402
 from hpcrl.sim.fit import scaled  # noqa: E402
 
 B, G, ROWS, MAX_NEW = 16, 8, 64, 26
+# the colocated loop's spool writer while it generates: bench/results_s24.json's colocated_t1 published 960 groups
+# in 9.4 s of generating (rollout_busy x trainer_loop_s), its spool-publisher thread busy 2.3 s of them
+COMPANION_GROUPS_PER_S = 100.0
 LATE_AFTER = 4  # the calibration admits one group into each running batch after this decode step
 MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
 
@@ -134,18 +144,56 @@ def _engine(model_path: Path):
                        sampling=SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
 
 
-def measure_engine(model_path: Path, seconds: float = 0.0) -> dict:
+def measure_engine(model_path: Path, seconds: float = 0.0, companion: bool = False) -> dict:
     """Decode steps over a grid of batch sizes; prefill against tokens, into an empty engine and into a running
     batch (whose cache is merged with the new rows'); the rebuild after new weights; a state dict load. Every
-    context is counted as the engine's left-padded cache holds it: rows times the longest (``padded``)."""
+    context is counted as the engine's left-padded cache holds it: rows times the longest (``padded``). With
+    ``companion``, a spool writer runs beside it as in the loop (:class:`Companion`)."""
     engine, rng = _engine(model_path), random.Random(0)
     records: dict[str, list] = {"decode": [], "load": [], "prefill": [], "merge": [], "rebuild": []}
     deadline = time.monotonic() + seconds
-    while True:
-        for rows in (1, 8, 16, 32, 48, 64):
-            _measure_batch(engine, rng, rows, records)
-        if time.monotonic() >= deadline:
-            return {**records, "padded": True}
+    with Companion(COMPANION_GROUPS_PER_S) if companion else contextlib.nullcontext():
+        while True:
+            for rows in (1, 8, 16, 32, 48, 64):
+                _measure_batch(engine, rng, rows, records)
+            if time.monotonic() >= deadline:
+                return {**records, "padded": True, "companion": companion}
+
+
+class Companion:
+    """What runs beside the engine in the generating process (the colocated loop's, a rollout's): its spool
+    writer's thread, publishing one of the task's groups every ``1 / groups_per_s`` seconds (encode, write, fsync,
+    rename into ``ready/``, as ``hpcrl.rollout.publisher`` does; each file removed after). Its Python holds the GIL
+    and its work takes a core from a torch thread: what a piece measured alone leaves out. Lifecycle: a context
+    manager; the thread starts on entry and is stopped and joined on exit."""
+
+    def __init__(self, groups_per_s: float) -> None:
+        self.interval, self.published = 1.0 / groups_per_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spool-publisher", daemon=True)
+
+    def __enter__(self) -> "Companion":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from hpcrl.spool.store import Spool
+
+        rng = random.Random(2)
+        with tempfile.TemporaryDirectory() as tmp:
+            spool, groups = Spool(Path(tmp) / "spool"), []
+            next_at = time.monotonic()
+            while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+                next_at += self.interval
+                groups = groups or _groups(rng, 1)
+                group = groups.pop()
+                group.ticket = self.published
+                spool.publish(group).unlink()
+                self.published += 1
 
 
 def _measure_batch(engine, rng: random.Random, rows: int, records: dict[str, list]) -> None:
@@ -271,16 +319,17 @@ def measure_spool(rng: random.Random) -> dict:
         return {"admit_s": admit, "spool_per_group_s": (time.perf_counter() - t0) / (4 * B)}
 
 
-def _child(kind: str, threads: int, model_path: Path, seconds: float, out: Path | None) -> subprocess.Popen:
+def _child(kind: str, threads: int, model_path: Path, seconds: float, out: Path | None,
+           companion: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--_child", kind, "--_threads", str(threads), "--_model", str(model_path),
-           "--_seconds", str(seconds)] + (["--_out", str(out)] if out else [])
+           "--_seconds", str(seconds)] + (["--_out", str(out)] if out else []) + (["--_companion"] if companion else [])
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
-def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0) -> dict:
+def run_child(kind: str, threads: int, model_path: Path, seconds: float = 0.0, companion: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        if _child(kind, threads, model_path, seconds, out).wait() != 0:
+        if _child(kind, threads, model_path, seconds, out, companion).wait() != 0:
             raise SystemExit(f"the {kind} measurement failed")
         return json.loads(out.read_text())
 
@@ -438,7 +487,7 @@ def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -
     """One repeat of :func:`measure`: the engine and the trainer with 1 and 2 threads, then each beside the other
     (:func:`measure_shared`); appends to ``runs`` and ``ratios``, returns a progress line."""
     for threads in (1, 2):
-        runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds))
+        runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds, companion=True))
         runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
     shared = measure_shared(model_path, ratios)
     decode = ", ".join(f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
@@ -466,7 +515,8 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
             fitted = result[f"threads{threads}"] = costs_from(engine, trainer)
             print(f"{threads} thread(s), median run: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()),
                   flush=True)
-        result.update(shared_slowdown=shared_medians(ratios), shared="paired")
+        result.update(shared_slowdown=shared_medians(ratios), shared="paired",
+                      companion_groups_per_s=COMPANION_GROUPS_PER_S)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
@@ -770,6 +820,7 @@ def main() -> None:
     ap.add_argument("--_model", type=Path)
     ap.add_argument("--_seconds", type=float, default=0.0)
     ap.add_argument("--_out", type=Path)
+    ap.add_argument("--_companion", action="store_true")
     args = ap.parse_args()
     if args._child:
         import torch
@@ -778,8 +829,8 @@ def main() -> None:
         if args._child.endswith("_steps"):
             result = steps_loop(args._child.removesuffix("_steps"), args._model, args._seconds)
         else:
-            fn = measure_engine if args._child == "engine" else measure_trainer
-            result = fn(args._model, args._seconds)
+            result = (measure_engine(args._model, args._seconds, args._companion) if args._child == "engine"
+                      else measure_trainer(args._model, args._seconds))
         if args._out:
             args._out.write_text(json.dumps(result))
         return

@@ -601,8 +601,9 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     one = iter([2.0, 5.0, 3.0])  # the one-thread decode of each repeat: the median run is the third
     calls = []
 
-    def run_child(kind, threads, model_path, seconds=0.0):
+    def run_child(kind, threads, model_path, seconds=0.0, companion=False):
         calls.append((kind, threads, seconds))
+        assert companion == (kind == "engine")  # the engine beside its spool writer, as in the loop
         if kind == "engine":
             return engine(next(one) if threads == 1 else 1.5)
         return trainer(300.0 if threads == 1 else 200.0)
@@ -625,7 +626,7 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     assert got["repeats"]["shared_slowdown"]["decode"] == pytest.approx([1.2, 0.8, 1.1])
     slow = got["shared_slowdown"]
     assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.05)
-    assert slow["mean"] == pytest.approx(1.075)
+    assert slow["mean"] == pytest.approx(1.075) and got["companion_groups_per_s"] == cal.COMPANION_GROUPS_PER_S
     c1 = got["threads1"]
     assert c1["decode_s"] + 32 * c1["decode_per_row_s"] + 640 * c1["decode_per_context_token_s"] == pytest.approx(3e-3)
     again = tmp_path / "again.json"
@@ -633,6 +634,37 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     redone = json.loads(again.read_text())
     assert redone["threads1"] == got["threads1"] and redone["pieces_from"] == str(out)
     assert redone["shared_slowdown"] == pytest.approx({"decode": 1.3, "train": 1.0, "mean": 1.15})
+
+
+def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_until_it_is_left(monkeypatch) -> None:
+    """sim_calibrate.Companion: a thread beside the measured engine publishing the task's groups into a spool of its
+    own at its rate (each file fsynced, renamed, then removed), stopped and joined on exit."""
+    import threading
+    import time
+
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    published = []
+    from hpcrl.spool import store
+
+    real = store.Spool.publish
+
+    def publish(self, group):
+        path = real(self, group)
+        published.append((path, path.stat().st_size, group.ticket))
+        return path
+
+    monkeypatch.setattr(store.Spool, "publish", publish)
+    t0 = time.monotonic()
+    with cal.Companion(groups_per_s=50.0) as companion:
+        time.sleep(0.5)
+    elapsed = time.monotonic() - t0
+    assert not any(t.name == "spool-publisher" for t in threading.enumerate())
+    assert companion.published == len(published) and 10 <= len(published) <= 50 * elapsed + 1
+    assert [t for *_, t in published] == list(range(len(published)))  # one ticket each: no name collides
+    assert all(size > 1000 and not path.exists() for path, size, _ in published)  # real files, removed after
 
 
 def test_the_calibration_prices_a_merge_and_a_rebuild_apart_from_an_admission_into_an_empty_engine(monkeypatch) -> None:
