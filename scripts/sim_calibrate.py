@@ -1,6 +1,6 @@
 """Measure this machine's cost model for the pipeline simulator, then check the simulator against bench_async.
 
-    python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~10 minutes
+    python scripts/sim_calibrate.py --out bench/sim_costs.json                            # measure, ~20 minutes
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check bench/results.json
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --check run1.json run2.json --check-out c.json
     python scripts/sim_calibrate.py --costs bench/sim_costs.json --shared-only --out bench/sim_costs_b.json
@@ -17,7 +17,7 @@ to show the spread:
   task's groups into a spool at the rate the colocated loop's spool writer
   does while it generates (:class:`Companion`, ``COMPANION_GROUPS_PER_S``;
   cost files from before 2026-11-29 measured the engine alone, which made two
-  torch threads 1.3x faster than one where the loop found them no faster):
+  torch threads 1.23x faster than one at a typical step where the loop found them no faster):
   every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
@@ -98,9 +98,10 @@ from hpcrl.sim import Costs, Workload, fit_phases, simulate  # noqa: E402
 from hpcrl.sim.fit import scaled  # noqa: E402
 
 B, G, ROWS, MAX_NEW = 16, 8, 64, 26
-# the colocated loop's spool writer while it generates: bench/results_s24.json's colocated_t1 published 960 groups
-# in 9.4 s of generating (rollout_busy x trainer_loop_s), its spool-publisher thread busy 2.3 s of them
-COMPANION_GROUPS_PER_S = 100.0
+# the colocated loop's spool writer while it generates: the baseline (colocated_t1) of bench/results_s22.json,
+# _s23, _s23b and _s24 published its 960 groups in 18.1, 19.0, 16.0 and 13.6 s of generating (rollout_busy x
+# trainer_loop_s): 53, 51, 60 and 71 a second, 58.5 on average (a rollout, generating all the time: 36-48)
+COMPANION_GROUPS_PER_S = 60.0
 LATE_AFTER = 4  # the calibration admits one group into each running batch after this decode step
 MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
 
@@ -152,12 +153,15 @@ def measure_engine(model_path: Path, seconds: float = 0.0, companion: bool = Fal
     engine, rng = _engine(model_path), random.Random(0)
     records: dict[str, list] = {"decode": [], "load": [], "prefill": [], "merge": [], "rebuild": []}
     deadline = time.monotonic() + seconds
-    with Companion(COMPANION_GROUPS_PER_S) if companion else contextlib.nullcontext():
+    with Companion(COMPANION_GROUPS_PER_S) if companion else contextlib.nullcontext() as writer:
+        t0 = time.monotonic()
         while True:
             for rows in (1, 8, 16, 32, 48, 64):
                 _measure_batch(engine, rng, rows, records)
             if time.monotonic() >= deadline:
-                return {**records, "padded": True, "companion": companion}
+                break
+        rate = writer.published / (time.monotonic() - t0) if writer is not None else None
+    return {**records, "padded": True, "companion_groups_per_s": rate}  # the rate it kept up (None: alone)
 
 
 class Companion:
@@ -165,10 +169,10 @@ class Companion:
     writer's thread, publishing one of the task's groups every ``1 / groups_per_s`` seconds (encode, write, fsync,
     rename into ``ready/``, as ``hpcrl.rollout.publisher`` does; each file removed after). Its Python holds the GIL
     and its work takes a core from a torch thread: what a piece measured alone leaves out. Lifecycle: a context
-    manager; the thread starts on entry and is stopped and joined on exit."""
+    manager; the thread starts on entry and is stopped and joined on exit, which raises if the thread failed."""
 
     def __init__(self, groups_per_s: float) -> None:
-        self.interval, self.published = 1.0 / groups_per_s, 0
+        self.interval, self.published, self.error = 1.0 / groups_per_s, 0, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spool-publisher", daemon=True)
 
@@ -179,8 +183,16 @@ class Companion:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None:
+            raise RuntimeError("the spool writer beside the measured engine failed") from self.error
 
     def _run(self) -> None:
+        try:
+            self._publish()
+        except BaseException as e:  # the measurement must not go on without it unnoticed: raised on exit
+            self.error = e
+
+    def _publish(self) -> None:
         from hpcrl.spool.store import Spool
 
         rng = random.Random(2)
@@ -808,7 +820,7 @@ def main() -> None:
                     "with (several: also with their mean ratios, mode by mode)")
     ap.add_argument("--check-out", type=Path, help="write the comparison here")
     ap.add_argument("--no-fit", action="store_true",
-                    help="with --check: the pieces' costs as measured alone, not fitted to the baseline's split")
+                    help="with --check: the pieces' costs as measured, not fitted to the baseline's split")
     ap.add_argument("--task-lengths", action="store_true", help="with --check: each sample draws its own response "
                     "length from the task and every prompt is the mean one, even where the run recorded its groups' "
                     "shapes (the workload before 2026-11-28)")

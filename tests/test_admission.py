@@ -88,7 +88,7 @@ def test_the_ticket_count_gallops_past_other_writers_tickets(tmp_path) -> None:
 
 
 def test_a_ticket_found_admitted_answers_for_every_ticket_below_it(tmp_path) -> None:
-    """The trainer's ledger asks once per claimed file: tickets are contiguous, so one look covers the older ones;
+    """The trainer's ledger asks for every claimed file: tickets are contiguous, so one look covers the older ones;
     a ticket never created stays unadmitted."""
     rollout, trainer = ledger(tmp_path, b=8, eta=0), ledger(tmp_path, b=8, eta=0)
     assert len(admit_all(rollout, 0)) == 8

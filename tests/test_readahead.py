@@ -318,6 +318,60 @@ def test_while_the_batch_waits_the_feed_claims_what_the_worker_has_parsed_and_re
         feed.close()
 
 
+def test_a_waiting_pass_names_what_it_listed_and_the_worker_parses_it_without_a_look_of_its_own(
+        tmp_path: Path) -> None:
+    """The worker looks at ready/ by itself only every relist_s (here never after its first look): the groups that
+    arrive while the batch waits are read ahead because each waiting pass names them to it; only the group that
+    completes the batch is read by the pass that claims it."""
+    spool = Spool(tmp_path / "spool")
+    ledger, groups = _ledger_and_groups(tmp_path, 3)
+    feed = BatchFeed(spool, ledger, batch_size=3, max_staleness=4, timeout_s=10, read_ahead=True)
+    feed.ahead.relist_s = 3600.0
+    spool.publish(groups[0])
+    arrivals = list(groups[1:])
+
+    def wait() -> None:
+        if arrivals and not spool.ready():  # the next group once the last one was claimed
+            spool.publish(arrivals.pop(0))
+        time.sleep(0.05)  # the worker's parse of what the last pass named
+
+    try:
+        feed.start_reading()
+        wait_for(lambda: len(feed.ahead) == 1)  # its first (and only) look parsed the first group
+        assert [g.ticket for g in feed.next_batch(0, wait)] == [0, 1, 2]
+        assert (feed.ahead.hits, feed.ahead.misses) == (2, 1)
+    finally:
+        feed.close()
+
+
+def test_named_files_with_no_room_left_make_the_worker_list_ready_whatever_its_timestamp(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """With ``limit`` parses kept, files the feed names have no room: the worker lists ready/ instead (even with its
+    timestamp unchanged since a complete look), which drops the parse of a file that left ready/ unclaimed and
+    makes room for the named one."""
+    import hpcrl.spool.readahead as readahead
+
+    monkeypatch.setattr(readahead, "_RACY_NS", 0)
+    spool = Spool(tmp_path / "spool")
+    gone = spool.publish(make_group(ticket=0, seed=0))
+    ahead = ReadAhead(spool.ready_dir, limit=1, relist_s=3600.0)
+    try:
+        ahead.kick()
+        wait_for(lambda: ahead.has(gone.name))
+        stamp = os.stat(spool.ready_dir).st_mtime_ns
+        ahead.hold()
+        time.sleep(0.05)
+        gone.unlink()  # set aside: left ready/ without a claim that asks for its parse
+        new = spool.publish(make_group(ticket=1, seed=1))
+        os.utime(spool.ready_dir, ns=(stamp, stamp))
+        ahead._listed_mtime = stamp  # as after a complete look: the timestamp alone would skip the listing
+        ahead.kick([new.name])
+        wait_for(lambda: ahead.has(new.name))
+        assert not ahead.has(gone.name) and len(ahead) == 1
+    finally:
+        ahead.close()
+
+
 def test_a_corrupt_file_arriving_while_the_batch_waits_is_quarantined_then_not_at_the_end(tmp_path: Path) -> None:
     """The worker cannot parse it, which counts as seen: the feed claims and quarantines it (its ticket dropped,
     its admission slot free) while the batch still waits."""

@@ -666,6 +666,53 @@ def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_unti
     assert [t for *_, t in published] == list(range(len(published)))  # one ticket each: no name collides
     assert all(size > 1000 and not path.exists() for path, size, _ in published)  # real files, removed after
 
+    def broken(self, group):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store.Spool, "publish", broken)
+    with pytest.raises(RuntimeError, match="spool writer"):  # a measurement never goes on without it unnoticed
+        with cal.Companion(groups_per_s=50.0):
+            time.sleep(0.05)
+
+
+def test_the_engine_is_measured_beside_the_companion_only_when_asked_and_reports_the_rate_it_kept(monkeypatch,
+                                                                                                 tmp_path) -> None:
+    """measure_engine(companion=True) runs its grid inside a Companion at COMPANION_GROUPS_PER_S and records the
+    rate the writer kept; without it, alone (rate None); the child's command line carries the choice."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    started = []
+
+    class Writer:
+        def __init__(self, rate):
+            started.append(rate)
+            self.published = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def batch(engine, rng, rows, records):
+        records["decode"].append((rows, rows, 0.001))
+
+    monkeypatch.setattr(cal, "Companion", Writer)
+    monkeypatch.setattr(cal, "_engine", lambda path: None)
+    monkeypatch.setattr(cal, "_measure_batch", batch)
+    beside = cal.measure_engine(tmp_path, companion=True)
+    assert started == [cal.COMPANION_GROUPS_PER_S] and beside["companion_groups_per_s"] == 0.0
+    alone = cal.measure_engine(tmp_path)
+    assert started == [cal.COMPANION_GROUPS_PER_S] and alone["companion_groups_per_s"] is None
+    assert len(alone["decode"]) == 6
+    argv = []
+    monkeypatch.setattr(cal.subprocess, "Popen", lambda cmd, env: argv.append(cmd))
+    cal._child("engine", 2, tmp_path, 1.0, None, companion=True)
+    cal._child("engine", 2, tmp_path, 1.0, None)
+    assert "--_companion" in argv[0] and "--_companion" not in argv[1]
+
 
 def test_the_calibration_prices_a_merge_and_a_rebuild_apart_from_an_admission_into_an_empty_engine(monkeypatch) -> None:
     """costs_from: admissions into an empty engine and into a running batch fit one prefill line plus a merge term;

@@ -125,6 +125,7 @@ class AdmissionLedger:
             d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
         self._drops: int | None = None  # drop records, as this process last counted them (record_drop)
+        self.recounts = 0  # times check_drop_count found records this process did not make (a fenced-off trainer's)
         self._refused: tuple[int, float] | None = None  # (version, monotonic time) of the last refusal at the bound
         self._perms: dict[int, np.ndarray] = {}
         self.fence = fence or NoFence()
@@ -196,7 +197,8 @@ class AdmissionLedger:
 
     def admitted(self, index: int) -> bool:
         """Whether ticket ``index`` was created. Tickets are contiguous from 0 (:meth:`num_created`), so one found
-        answers for every ticket below it without a look (the trainer asks once per file it claims)."""
+        answers for every ticket below it without a look (the trainer asks first for the newest ticket of a pass,
+        then for each file it claims)."""
         if index < self._cursor:
             return True
         if self._exists(index):
@@ -292,7 +294,8 @@ class AdmissionLedger:
             return None
 
     def drop_records(self) -> set[int]:
-        """The tickets with a drop record, listed (O(drops), names only): the trainer's, once at its start."""
+        """The tickets with a drop record, listed (O(drops), names only): the trainer's feed, at its first check
+        and again after a recount (:meth:`check_drop_count`)."""
         return {int(n[1:]) for n in os.listdir(self.dropped_dir) if n.startswith("t") and n[1:].isdigit()}
 
     def count_drop_records(self) -> int:
@@ -318,6 +321,7 @@ class AdmissionLedger:
             log.warning("dropped.count read %s, this trainer wrote %d: recounting the drop records", written,
                         self._drops)
             self.sync_drop_count()
+            self.recounts += 1
 
     def _write_drop_count(self) -> None:
         # atomic (rename over it), not fsynced: a count lost in a crash is recounted at the next start

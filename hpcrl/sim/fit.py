@@ -1,8 +1,9 @@
 """Fit a cost model to one measured run, phase by phase.
 
-Costs measured piece by piece (each operation alone, in a fresh process)
-miss what the real loop adds around them: Python between the calls, the
-allocator, caches shared with the other side. :func:`fit_phases` scales
+Costs measured piece by piece (each operation in a fresh process of its
+own, at most beside a stand-in for one of the loop's threads) miss what the
+real loop adds around them: Python between the calls, the allocator, caches
+shared with the other side. :func:`fit_phases` scales
 each group of :class:`~hpcrl.sim.model.Costs` fields by one factor so that
 the simulated run spends, in each phase, the seconds the real run spent
 there (``scripts/bench_async.py``'s time split): the shape of every cost

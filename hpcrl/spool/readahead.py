@@ -116,7 +116,7 @@ class ReadAhead:
         self.busy_s = 0.0  # the worker's time listing and parsing
         self.hits = self.misses = 0  # reads served from the worker's parse / read there and then
         self.offered = 0  # groups kept from their writer in this process (offer), never parsed
-        self.passes = 0  # listings of ready/ the worker finished
+        self.passes = 0  # passes the worker finished (listings, looks that skipped one, named files)
         self.skipped = 0  # looks at ready/ that found its modification time unchanged: no listing
         self._listed_mtime: int | None = None  # ready/'s mtime at the last pass that left nothing to parse
         self._wanted: list[str] = []  # names the feed listed and waits on (kick): the next pass parses them
@@ -132,8 +132,7 @@ class ReadAhead:
         parsed now, without a listing of the worker's own (its next look may be ``relist_s`` away, and a file that
         arrived within ``ready/``'s timestamp tick would be unseen by it); a later kick's names replace them."""
         with self._cond:
-            if wanted:
-                self._wanted = list(wanted)
+            self._wanted = list(wanted or ())
             if not self._active or wanted:
                 self._active = True
                 self._cond.notify()  # active, it looks again every relist_s by itself
@@ -144,7 +143,7 @@ class ReadAhead:
     def hold(self) -> None:
         """The trainer takes its batch: stop reading ahead (the file being parsed is finished)."""
         with self._cond:
-            self._active = False
+            self._active, self._wanted = False, []
 
     def has(self, name: str) -> bool:
         """Whether the file ``name`` has been through the worker: parsed (its read is a hand-over if the file is
@@ -220,6 +219,7 @@ class ReadAhead:
             if room:
                 self._parse(todo, None)  # nothing learnt about the rest of ready/: the next look lists it
                 return
+            self._listed_mtime = None  # named files it has not listed: list ready/ whatever its timestamp says
         try:
             mtime = os.stat(self.ready_dir).st_mtime_ns
             if mtime == self._listed_mtime:

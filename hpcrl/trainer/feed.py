@@ -105,6 +105,7 @@ class BatchFeed:
         # tickets with a drop record: listed on first use, then followed through this feed's own records (while a
         # trainer runs it is the only process that records drops, as it is for the ledger's drop count)
         self._drop_records: set[int] | None = None
+        self._recounts_seen = 0  # the ledger's recounts when they were listed: a recount lists them again
         self._batch: set[int] = set()  # tickets of the batch being assembled
         # tells the rollouts which batch is in hand (not in colocated mode, whose rollout generates while it waits)
         self.taken = TakenMark(spool.root) if mark_taken else None
@@ -117,8 +118,10 @@ class BatchFeed:
 
     @property
     def drop_records(self) -> set[int]:
-        if self._drop_records is None:
-            self._drop_records = self.ledger.drop_records()
+        if self._drop_records is None or self._recounts_seen != self.ledger.recounts:
+            # a recount means records this feed did not make (a fenced-off trainer's, in the window before its fence
+            # check stopped it): listed again
+            self._recounts_seen, self._drop_records = self.ledger.recounts, self.ledger.drop_records()
         return self._drop_records
 
     def record_drop(self, ticket: int, reason: str) -> None:
