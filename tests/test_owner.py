@@ -174,6 +174,16 @@ def test_a_ticket_recorded_dropped_is_never_trained(tmp_path) -> None:
     reasons = {e.ticket: spool.reason(e)["reason"] for e in spool.quarantined()}
     assert "recorded as dropped" in reasons[early.index] and "recorded as dropped" in reasons[uniform.index]
 
+    # a fenced-off trainer records a drop (in the window before its fence check stops it) and rewrites the count:
+    # not followed at once, but the ledger's recount (at the next drop record or checkpoint) has them listed again
+    late = ledger.try_admit(1, "r0-a")
+    old = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=3, max_staleness=0), 50, 1)
+    old.sync_drop_count()
+    old.record_drop(late.index, "uniform")
+    assert late.index not in feed.drop_records
+    feed.retain(keep_dropped_files=10)  # after a checkpoint: the count is checked
+    assert ledger.recounts == 1 and late.index in feed.drop_records
+
 
 def test_stale_file_is_reissued_only_by_its_holder(tmp_path) -> None:
     ledger, spool, feed = _feed(tmp_path, b=1, eta=0)
