@@ -16,8 +16,10 @@ to show the spread:
 * the embedded engine (``TorchEngine``), beside a thread that publishes the
   task's groups into a spool at the rate the colocated loop's spool writer
   does while it generates (:class:`Companion`, ``COMPANION_GROUPS_PER_S``;
-  cost files from before 2026-11-29 measured the engine alone, which made two
-  torch threads 1.23x faster than one at a typical step where the loop found them no faster):
+  cost files from before 2026-11-29 measured the engine alone. Two torch
+  threads are 1.23x faster than one at a typical step alone and in this
+  rate's median runs, where the colocated loop found them no faster; beside
+  a writer at 100 groups a second their step was 0.97-1.45x one thread's):
   every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
@@ -100,7 +102,8 @@ from hpcrl.sim.fit import scaled  # noqa: E402
 B, G, ROWS, MAX_NEW = 16, 8, 64, 26
 # the colocated loop's spool writer while it generates: the baseline (colocated_t1) of bench/results_s22.json,
 # _s23, _s23b and _s24 published its 960 groups in 18.1, 19.0, 16.0 and 13.6 s of generating (rollout_busy x
-# trainer_loop_s): 53, 51, 60 and 71 a second, 58.5 on average (a rollout, generating all the time: 36-48)
+# trainer_loop_s): 53, 50.6, 60 and 70.5 a second, 58.5 on average (the default mode's rollout, generating all the
+# time: 36-48)
 COMPANION_GROUPS_PER_S = 60.0
 LATE_AFTER = 4  # the calibration admits one group into each running batch after this decode step
 MAX_LEN, ALPHA = 24, 1.5  # the reverse task's defaults (hpcrl/data/longtail.py)
@@ -153,14 +156,14 @@ def measure_engine(model_path: Path, seconds: float = 0.0, companion: bool = Fal
     engine, rng = _engine(model_path), random.Random(0)
     records: dict[str, list] = {"decode": [], "load": [], "prefill": [], "merge": [], "rebuild": []}
     deadline = time.monotonic() + seconds
-    with Companion(COMPANION_GROUPS_PER_S) if companion else contextlib.nullcontext() as writer:
+    with (Companion(COMPANION_GROUPS_PER_S) if companion else contextlib.nullcontext()) as writer:
         t0 = time.monotonic()
         while True:
             for rows in (1, 8, 16, 32, 48, 64):
                 _measure_batch(engine, rng, rows, records)
             if time.monotonic() >= deadline:
                 break
-        rate = writer.published / (time.monotonic() - t0) if writer is not None else None
+        rate = writer.published / max(time.monotonic() - t0, 1e-9) if writer is not None else None
     return {**records, "padded": True, "companion_groups_per_s": rate}  # the rate it kept up (None: alone)
 
 
@@ -500,6 +503,10 @@ def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -
     (:func:`measure_shared`); appends to ``runs`` and ``ratios``, returns a progress line."""
     for threads in (1, 2):
         runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds, companion=True))
+        kept = runs[threads]["engine"][-1].get("companion_groups_per_s")
+        if kept is not None and kept < 0.9 * COMPANION_GROUPS_PER_S:
+            print(f"warning: the spool writer beside the engine kept {kept:.0f} groups/s, "
+                  f"not {COMPANION_GROUPS_PER_S:.0f}", flush=True)
         runs[threads]["trainer"].append(run_child("trainer", threads, model_path, seconds))
     shared = measure_shared(model_path, ratios)
     decode = ", ".join(f"{t} thread(s) {1e3 * typical_decode_s(runs[t]['engine'][-1]):.2f} ms" for t in (1, 2))
@@ -520,7 +527,10 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
         for k in range(repeats):
             print(f"run {k + 1} of {repeats}: " + measure_repeat(model_path, seconds, runs, ratios), flush=True)
         result: dict = {"repeats": {**{f"threads{t}": {"decode_ms": [1e3 * typical_decode_s(e) for e in r["engine"]],
-                                                       "train_ms": [1e3 * typical_train_s(x) for x in r["trainer"]]}
+                                                       "train_ms": [1e3 * typical_train_s(x) for x in r["trainer"]],
+                                                       # the rate the writer beside the engine kept, each run
+                                                       "writer_groups_per_s": [e.get("companion_groups_per_s")
+                                                                               for e in r["engine"]]}
                                        for t, r in runs.items()}, "shared_slowdown": ratios}}
         for threads, r in runs.items():
             engine, trainer = median_run(r["engine"], typical_decode_s), median_run(r["trainer"], typical_train_s)

@@ -424,5 +424,12 @@ def test_files_the_feed_names_are_parsed_at_once_without_a_listing(tmp_path: Pat
         ahead.kick([name, "not-a-spool-file.txt"])
         wait_for(lambda: ahead.has(name))
         assert len(ahead) == 2 and ahead.read(spool.ready_dir / name).ticket == 1 and ahead.hits == 1
+        ahead.hold()
+        ahead._wanted = ["left-over.h5"]
+        ahead.kick()  # a kick without names drops the last ones (the batch they waited for is taken) ...
+        assert ahead._wanted == []
+        ahead._wanted = ["left-over.h5"]
+        ahead.hold()  # ... and so does a hold
+        assert ahead._wanted == []
     finally:
         ahead.close()

@@ -623,6 +623,7 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     assert calls[:6] == [("engine", 1, 4.0), ("trainer", 1, 4.0), ("engine", 2, 4.0), ("trainer", 2, 4.0),
                          ("paired-engine", "trainer"), ("paired-trainer", "engine")] and len(calls) == 18
     assert got["repeats"]["threads1"]["decode_ms"] == pytest.approx([2.0, 5.0, 3.0])
+    assert got["repeats"]["threads2"]["writer_groups_per_s"] == [None, None, None]  # the fakes kept no rate
     assert got["repeats"]["shared_slowdown"]["decode"] == pytest.approx([1.2, 0.8, 1.1])
     slow = got["shared_slowdown"]
     assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.05)

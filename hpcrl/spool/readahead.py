@@ -203,7 +203,7 @@ class ReadAhead:
             self.busy_s += time.perf_counter() - t0
             self.passes += 1
             with self._cond:
-                if self._active and not self._stop:
+                if self._active and not self._stop and not self._wanted:  # names given meanwhile: at once
                     self._cond.wait(self.relist_s)  # files published during the step: list again
 
     def _pass(self) -> None:
