@@ -640,7 +640,6 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
 def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_until_it_is_left(monkeypatch) -> None:
     """sim_calibrate.Companion: a thread beside the measured engine publishing the task's groups into a spool of its
     own at its rate (each file fsynced, renamed, then removed), stopped and joined on exit."""
-    import threading
     import time
 
     from chaos_script import ROOT, load_script
@@ -660,10 +659,12 @@ def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_unti
     monkeypatch.setattr(store.Spool, "publish", publish)
     t0 = time.monotonic()
     with cal.Companion(groups_per_s=50.0) as companion:
-        time.sleep(0.5)
+        deadline = t0 + 60
+        while len(published) < 5 and time.monotonic() < deadline:  # however slow this machine's fsyncs are
+            time.sleep(0.01)
     elapsed = time.monotonic() - t0
-    assert not any(t.name == "spool-publisher" for t in threading.enumerate())
-    assert companion.published == len(published) and 10 <= len(published) <= 50 * elapsed + 1
+    assert not companion._thread.is_alive()  # stopped and joined on exit
+    assert companion.published == len(published) and 5 <= len(published) <= 50 * elapsed + 1  # never above its rate
     assert [t for *_, t in published] == list(range(len(published)))  # one ticket each: no name collides
     assert all(size > 1000 and not path.exists() for path, size, _ in published)  # real files, removed after
 
