@@ -13,14 +13,12 @@ count's costs are fitted to its median run, each slowdown is the median of
 its runs, and every run's typical steps and ratios are kept (``repeats``)
 to show the spread:
 
-* the embedded engine (``TorchEngine``), beside a thread that publishes the
-  task's groups into a spool at the rate the colocated loop's spool writer
-  does while it generates (:class:`Companion`, ``COMPANION_GROUPS_PER_S``;
-  cost files from before 2026-11-29 measured the engine alone. Two torch
-  threads are 1.23x faster than one at a typical step alone and in this
-  rate's median runs, where the colocated loop found them no faster; beside
-  a writer at 100 groups a second their step was 0.97-1.45x one thread's):
-  every decode step's time against its
+* the embedded engine (``TorchEngine``), alone (``--companion``: beside a
+  thread that publishes the task's groups into a spool at the rate the
+  colocated loop's spool writer does while it generates, :class:`Companion`,
+  ``COMPANION_GROUPS_PER_S``, as the cost files of 2026-11-29's first
+  session were measured; the simulator now charges the writer's CPU itself,
+  ``side_cpu_per_group_s`` below): every decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
   prefill of admitted groups against tokens, into an empty engine and into
@@ -49,8 +47,13 @@ and the rollout's weight receive + load per version; and from the baseline
 run (``colocated_t1``) alone, what the pieces leave out: the share of
 groups GRPO leaves out of the loss (its count, or what its training time
 implies), scoring per sample, the worker's admission time per admitted group
-(every ask, refused ones included) and the colocated feed's look at the
-spool between engine steps. Where the results file has the baseline's time
+(every ask, refused ones included), the colocated feed's look at the
+spool between engine steps, and the CPU the process's other threads (the
+spool writer, the read-ahead) burned per group
+(``side_cpu_per_group_s``: free where a core is idle for it, as in the
+baseline, charged to the generating steps where none is: ``colocated_t2``'s
+two torch threads on two cores, a rollout while the trainer shares its
+cores; ``--no-side-cpu`` leaves it out, the model before 2026-11-29). Where the results file has the baseline's time
 split (``bench_async.py`` of 2026-11-27 and later), the levels of decode,
 admission prefill and the train step are then fitted to it
 (:func:`hpcrl.sim.fit.fit_phases`: each piece keeps the shape it had alone,
@@ -498,11 +501,12 @@ def measure_shared(model_path: Path, ratios: dict) -> str:
     return f"beside the other: decode {ratios['decode'][-1]:.2f}x, train {ratios['train'][-1]:.2f}x"
 
 
-def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -> str:
-    """One repeat of :func:`measure`: the engine and the trainer with 1 and 2 threads, then each beside the other
-    (:func:`measure_shared`); appends to ``runs`` and ``ratios``, returns a progress line."""
+def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict, companion: bool = False) -> str:
+    """One repeat of :func:`measure`: the engine (beside a spool writer with ``companion``) and the trainer with 1
+    and 2 threads, then each beside the other (:func:`measure_shared`); appends to ``runs`` and ``ratios``, returns
+    a progress line."""
     for threads in (1, 2):
-        runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds, companion=True))
+        runs[threads]["engine"].append(run_child("engine", threads, model_path, seconds, companion=companion))
         kept = runs[threads]["engine"][-1].get("companion_groups_per_s")
         if kept is not None and kept < 0.9 * COMPANION_GROUPS_PER_S:
             print(f"warning: the spool writer beside the engine kept {kept:.0f} groups/s, "
@@ -514,18 +518,20 @@ def measure_repeat(model_path: Path, seconds: float, runs: dict, ratios: dict) -
     return f"typical decode step {decode}; train step {train}; {shared}"
 
 
-def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
+def measure(out: Path, repeats: int = 3, seconds: float = 8.0, companion: bool = False) -> None:
     """The pieces with 1 and 2 threads and the shared-core slowdowns, ``repeats`` times in alternation (1, 2,
     paired, 1, 2, paired ...). Each thread count's cost model is fitted to its median run (by the typical decode
     step; the trainer by the typical train step), and each slowdown is the median of its repeats' paired
     measurements (:func:`measure_shared`). Each run measures for ``seconds`` at least (whole passes over its
-    grid): one short run is not enough on these shared cores (docs/performance.md, the simulator's calibration)."""
+    grid): one short run is not enough on these shared cores (docs/performance.md, the simulator's calibration).
+    ``companion``: the engine beside a spool writer (:class:`Companion`) instead of alone."""
     with tempfile.TemporaryDirectory() as tmp:
         model_path = _model(Path(tmp))
         runs: dict[int, dict[str, list]] = {1: {"engine": [], "trainer": []}, 2: {"engine": [], "trainer": []}}
         ratios: dict[str, list[float]] = {"decode": [], "train": []}
         for k in range(repeats):
-            print(f"run {k + 1} of {repeats}: " + measure_repeat(model_path, seconds, runs, ratios), flush=True)
+            print(f"run {k + 1} of {repeats}: " + measure_repeat(model_path, seconds, runs, ratios, companion),
+                  flush=True)
         result: dict = {"repeats": {**{f"threads{t}": {"decode_ms": [1e3 * typical_decode_s(e) for e in r["engine"]],
                                                        "train_ms": [1e3 * typical_train_s(x) for x in r["trainer"]],
                                                        # the rate the writer beside the engine kept, each run
@@ -538,7 +544,7 @@ def measure(out: Path, repeats: int = 3, seconds: float = 8.0) -> None:
             print(f"{threads} thread(s), median run: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()),
                   flush=True)
         result.update(shared_slowdown=shared_medians(ratios), shared="paired",
-                      companion_groups_per_s=COMPANION_GROUPS_PER_S)
+                      companion_groups_per_s=COMPANION_GROUPS_PER_S if companion else None)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
@@ -577,10 +583,26 @@ def uniform_share(baseline: dict, measured: dict) -> float:
     return min(0.95, max(0.0, 1.0 - (update - c["train_step_s"]) / (c["train_per_token_s"] * tokens)))
 
 
-def baseline_costs(run: dict, spool_per_group_s: float) -> dict:
+# threads whose CPU is not the pipeline's side work: the generating thread, the torch pool, and the reward calls the
+# generating thread waits for (their time is in its "reward" phase)
+NOT_SIDE_THREADS = ("MainThread", "native", "reward-call")
+
+
+def side_cpu_per_group(run: dict) -> float | None:
+    """The CPU seconds the process's other threads burned per group it generated (the spool writer, the read-ahead,
+    ...; bench_async's ``generator_cpu_threads``), None where the run did not record them."""
+    threads = run.get("generator_cpu_threads")
+    if not threads:
+        return None
+    return sum(s for name, s in threads.items() if name not in NOT_SIDE_THREADS) / (run["samples"] / G)
+
+
+def baseline_costs(run: dict, spool_per_group_s: float, side_cpu: bool = True) -> dict:
     """What the engine and trainer measurements leave out, from the baseline (colocated_t1) run's own split of its
     generating time: scoring per sample, the ledger per admitted group, the feed's look at the spool between two
-    engine steps (its time over the run's decode steps, estimated as the steps a batch of the task takes)."""
+    engine steps (its time over the run's decode steps, estimated as the steps a batch of the task takes); and
+    from its threads' CPU, the side work per group (:func:`side_cpu_per_group`; one torch thread leaves it a core,
+    so the baseline does not pay for it; ``side_cpu`` False: left out)."""
     generating = run["rollout_busy"] * run["trainer_loop_s"]
     split, samples = run["rollout_time_split"], run["samples"]
     lengths, _ = task_lengths()
@@ -589,7 +611,8 @@ def baseline_costs(run: dict, spool_per_group_s: float) -> dict:
     spool_s = run["spool_share"] * run["trainer_loop_s"] - (samples / G) * spool_per_group_s  # claims, reads: in train
     return {"reward_per_sample_s": split["reward"] * generating / samples,
             "admit_s": split["ledger"] * generating / (samples / G),  # every ask, the refused ones too, per group
-            "colocated_pass_s": max(0.0, spool_s) / engine_steps}
+            "colocated_pass_s": max(0.0, spool_s) / engine_steps,
+            "side_cpu_per_group_s": (side_cpu_per_group(run) or 0.0) if side_cpu else 0.0}
 
 
 # bench_async's rollout time split -> the simulator's phases; the first four are what the baseline fit scales
@@ -617,11 +640,11 @@ def measured_rollout_phases(run: dict) -> dict[str, float]:
 
 
 def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_only: bool = False,
-               shapes: tuple = ()) -> tuple[Workload, Costs]:
+               shapes: tuple = (), cores: int | None = None) -> tuple[Workload, Costs]:
     """The simulator's workload and costs for one bench_async mode (scripts/bench_async.py MODES). Each group
     draws the shape of one of the run's own trained groups where the run recorded them (else of ``shapes``, the
     same mode's in another run); without any (or with ``task_only``) each sample draws its own length from the task
-    and every prompt is the mean one."""
+    and every prompt is the mean one. ``cores``: the run's machine's (None: this one's)."""
     lengths, prompt = task_lengths()
     threads = 2 if name == "colocated_t2" else 1
     extra = measured.get("baseline", {})
@@ -629,8 +652,9 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
     base = dict(steps=run["steps"], batch_groups=B, group_size=G, max_batch_rows=ROWS, prompt_tokens=round(prompt),
                 response_tokens=tuple(lengths), uniform_share=uniform, queued_groups=1,  # hpcrl's worker holds one
                 group_shapes=() if task_only else (group_shapes(run) or shapes))
-    if name.startswith("colocated"):
-        return Workload(mode="colocated", max_staleness=0, **base), costs
+    if name.startswith("colocated"):  # its torch threads fill the cores of the machine the run had
+        full = threads >= (cores or os.cpu_count() or 1)
+        return Workload(mode="colocated", max_staleness=0, compute_fills_cores=full, **base), costs
     eta = int(name.split("eta")[1].split("_")[0])
     steps = run["steps"]
     publish = run["publish_share"] * run["trainer_loop_s"] / steps  # the trainer's publish per version, measured
@@ -650,17 +674,19 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
 
 
 def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only: bool = False,
-                 summed: bool = False, shapes: dict | None = None) -> dict:
+                 summed: bool = False, shapes: dict | None = None, side_cpu: bool = True) -> dict:
     """Play every mode of one bench_async results file with the cost model ``measured``: its rows (measured and
     simulated samples/s and ratios to ``colocated_t1``, phases, set-asides), the uniform share and fitted factors.
     ``task_only`` and ``shapes`` (mode -> its groups' shapes in another run): see :func:`mode_setup`.
     ``summed``: the engine model before 2026-11-28 with this cost model's coefficients: contexts summed, no merge,
-    the rebuild priced on the admissions' prefill line."""
+    the rebuild priced on the admissions' prefill line. ``side_cpu`` False: the other threads' CPU left out (the
+    model before 2026-11-29, :func:`baseline_costs`)."""
     if summed:
         drop = ("rebuild_prefill_s", "rebuild_prefill_per_token_s")
         measured = {k: {**{f: x for f, x in v.items() if f not in drop}, "padded_cache": False,
                         "merge_per_token_s": 0.0} if k.startswith("threads") else v for k, v in measured.items()}
-    runs = json.loads(results_file.read_text())["runs"]
+    results = json.loads(results_file.read_text())
+    runs, cores = results["runs"], results.get("meta", {}).get("cpu_count", 2)  # 2: every file before it was recorded
     if "colocated_t1" not in runs:
         raise SystemExit(f"{results_file}: no colocated_t1 run to take ratios against")
     missing = [k for k in ("rollout_time_split", "spool_share") if k not in runs["colocated_t1"]]
@@ -669,12 +695,13 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
                          "run it again")
     rows, factors = {}, {}
     uniform = uniform_share(runs["colocated_t1"], measured)
-    measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"], measured["threads1"]["spool_per_group_s"])}
+    measured = {**measured, "baseline": baseline_costs(runs["colocated_t1"], measured["threads1"]["spool_per_group_s"],
+                                                       side_cpu)}
     print(f"{results_file}: groups left out of the loss (uniform rewards): {100 * uniform:.0f} %; from the baseline "
           "run: " + ", ".join(f"{k} {v:.3g}" for k, v in measured["baseline"].items()))
     if fit and "update_s_per_step" in runs["colocated_t1"]:  # levels fitted on the baseline's own time split
         work, costs = mode_setup("colocated_t1", runs["colocated_t1"], measured, uniform, task_only,
-                                 (shapes or {}).get("colocated_t1", ()))
+                                 (shapes or {}).get("colocated_t1", ()), cores)
         phases = measured_phases(runs["colocated_t1"])
         _, factors = fit_phases(work, costs, {k: phases[k] for k in FITTED})
         print("fitted on colocated_t1: " + ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
@@ -682,7 +709,7 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
         if name.startswith("vllm") or not (name.startswith("colocated") or "eta" in name):
             print(f"{name}: skipped (another engine, or a mode this script does not know)")
             continue
-        work, costs = mode_setup(name, run, measured, uniform, task_only, (shapes or {}).get(name, ()))
+        work, costs = mode_setup(name, run, measured, uniform, task_only, (shapes or {}).get(name, ()), cores)
         costs = scaled(costs, factors)  # the loop's overhead on each piece, as the baseline measured it
         sims = [simulate(dataclasses_replace(work, seed=s), costs) for s in range(3)]
         engine = (run.get("rollout_stats") or {}).get("engine") or {}
@@ -744,7 +771,7 @@ def ratio_se(rows: list[dict]) -> float | None:
 
 def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bool = True, **variant) -> None:
     """Compare the simulator with one or more bench_async runs (with several: also their means, mode by mode);
-    ``variant``: :func:`simulate_run`'s ``task_only`` and ``summed``, recorded in ``out``. A run that did not
+    ``variant``: :func:`simulate_run`'s ``task_only``, ``summed`` and ``side_cpu``, recorded in ``out``. A run that did not
     record its groups' shapes plays those of the same mode in the first of the files that did."""
     measured = json.loads(costs_file.read_text())
     shapes: dict[str, tuple] = {}
@@ -823,6 +850,9 @@ def main() -> None:
                     "alternating; each cost model is fitted to the median run (an odd count keeps it the middle one)")
     ap.add_argument("--seconds", type=float, default=8.0, help="with --out: each run measures for this long at "
                     "least (whole passes; 0: one pass)")
+    ap.add_argument("--companion", action="store_true", help="with --out: measure the engine beside a spool writer "
+                    f"at {COMPANION_GROUPS_PER_S:.0f} groups/s (the cost files of 2026-11-29's first session; the "
+                    "simulator charges the writer's CPU itself: Costs.side_cpu_per_group_s)")
     ap.add_argument("--costs", type=Path, help="a cost model written by --out")
     ap.add_argument("--shared-only", action="store_true", help="with --out and --costs: keep that cost model's "
                     "pieces and measure the shared-core slowdowns again, paired in time (~3 minutes a repeat)")
@@ -837,6 +867,8 @@ def main() -> None:
     ap.add_argument("--summed-context", action="store_true", help="with --check: the engine model before "
                     "2026-11-28 with this cost model's coefficients: contexts summed, no merge, the rebuild on the "
                     "admissions' prefill line")
+    ap.add_argument("--no-side-cpu", action="store_true", help="with --check: the other threads' CPU (the spool "
+                    "writer's, ...) left out where no core is idle for it (the model before 2026-11-29)")
     ap.add_argument("--_child")
     ap.add_argument("--_threads", type=int, default=1)
     ap.add_argument("--_model", type=Path)
@@ -866,12 +898,12 @@ def main() -> None:
                 ap.error("--shared-only needs --costs: the cost model whose pieces it keeps")
             measure_shared_only(args.costs, args.out, args.repeats)
         else:
-            measure(args.out, args.repeats, args.seconds)
+            measure(args.out, args.repeats, args.seconds, args.companion)
     if args.check:
         if not (args.costs or args.out):
             ap.error("--check needs a cost model: --costs FILE (or --out to measure one first)")
         check(args.out or args.costs, args.check, args.check_out, fit=not args.no_fit,
-              task_only=args.task_lengths, summed=args.summed_context)
+              task_only=args.task_lengths, summed=args.summed_context, side_cpu=not args.no_side_cpu)
     if not (args.out or args.check):
         ap.error("nothing to do: --out to measure, --check to compare")
 

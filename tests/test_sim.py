@@ -65,6 +65,30 @@ def test_the_phases_add_up_to_the_busy_time_on_shared_cores(kv: str) -> None:
     assert (r.phases.get("rollout/rebuild_prefill", 0) > 0) == (kv == "recompute") and r.phases["rollout/weights"] > 0
 
 
+def test_the_other_threads_cpu_costs_the_generating_steps_only_where_no_core_is_idle_for_it() -> None:
+    """Costs.side_cpu_per_group_s: free beside one torch thread; with the compute on every core (colocated) each
+    group handed over lengthens its step by it; on shared cores only while the trainer is busy, half on the rollout's
+    step and half on the trainer's next, unscaled by the shared-core slowdown (CPU seconds, not a slower step)."""
+    side = 0.013
+    costs = dataclasses.replace(ZERO, decode_s=1e-3, train_step_s=0.02, side_cpu_per_group_s=side)
+    work = Workload(mode="colocated", max_staleness=0, steps=10, batch_groups=3, group_size=4, response_tokens=(5,))
+    free, full = simulate(work, costs), simulate(dataclasses.replace(work, compute_fills_cores=True), costs)
+    assert free == simulate(work, dataclasses.replace(costs, side_cpu_per_group_s=0.0))  # a core left for it
+    assert full.phases["rollout/side_cpu"] == pytest.approx(10 * 3 * side)  # every group handed over, once
+    assert full.wall_s == pytest.approx(free.wall_s + 10 * 3 * side)  # colocated: nothing overlaps it
+    shared = Workload(steps=40, max_staleness=2, shared_cores=True, response_tokens=(3, 9))
+    slowed = dataclasses.replace(costs, train_step_s=0.01, shared_slowdown=1.7)
+    pipe = Pipeline(shared, slowed)
+    r = pipe.run()
+    charged = 2 * r.phases["rollout/side_cpu"] / side  # groups handed over while the trainer was busy, half each
+    assert 0 < charged < pipe.offered and charged == pytest.approx(round(charged), abs=1e-6)
+    paid = r.phases["trainer/side_cpu"] + pipe.trainer_side_cpu  # the trainer's half, paid at its next step
+    running = sum(rep._parts["side_cpu"] for rep in pipe.replicas if rep.busy)  # cut by the run's end: unfinished
+    assert paid == pytest.approx(r.phases["rollout/side_cpu"] + running) and 0 < pipe.trainer_side_cpu < paid / 10
+    assert sum(v for k, v in r.phases.items() if k.startswith("trainer/")) == pytest.approx(r.trainer_busy_s)
+    assert "rollout/side_cpu" not in simulate(dataclasses.replace(shared, shared_cores=False), slowed).phases
+
+
 def test_an_unbounded_rollout_keeps_its_engine_full() -> None:
     # one replica holding k groups decodes k*G samples every L steps of D seconds; the trainer is instant
     k, g, length, d = 4, 8, 10, 0.01
@@ -581,7 +605,9 @@ def test_the_calibration_fits_each_thread_count_to_its_median_run(monkeypatch) -
     assert cal.median_run(runs[:1], cal.typical_decode_s) is runs[0]
 
 
-def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdown(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("beside", [False, True])
+def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdown(tmp_path, monkeypatch,
+                                                                                     beside) -> None:
     """measure(): per repeat one run of each piece with 1 and 2 threads, then each side's paired slowdown beside the
     other process; the cost model takes each thread count's median run, each slowdown the median of its repeats;
     every run's typical step is kept. --shared-only keeps a cost model's pieces and measures the slowdowns again."""
@@ -603,7 +629,7 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
 
     def run_child(kind, threads, model_path, seconds=0.0, companion=False):
         calls.append((kind, threads, seconds))
-        assert companion == (kind == "engine")  # the engine beside its spool writer, as in the loop
+        assert companion == (beside and kind == "engine")  # the engine beside a spool writer only when asked
         if kind == "engine":
             return engine(next(one) if threads == 1 else 1.5)
         return trainer(300.0 if threads == 1 else 200.0)
@@ -618,7 +644,7 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     monkeypatch.setattr(cal, "run_child", run_child)
     monkeypatch.setattr(cal, "paired_slowdown", paired_slowdown)
     out = tmp_path / "costs.json"
-    cal.measure(out, repeats=3, seconds=4.0)
+    cal.measure(out, repeats=3, seconds=4.0, companion=beside)
     got = json.loads(out.read_text())
     assert calls[:6] == [("engine", 1, 4.0), ("trainer", 1, 4.0), ("engine", 2, 4.0), ("trainer", 2, 4.0),
                          ("paired-engine", "trainer"), ("paired-trainer", "engine")] and len(calls) == 18
@@ -627,7 +653,8 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     assert got["repeats"]["shared_slowdown"]["decode"] == pytest.approx([1.2, 0.8, 1.1])
     slow = got["shared_slowdown"]
     assert slow["decode"] == pytest.approx(1.1) and slow["train"] == pytest.approx(1.05)
-    assert slow["mean"] == pytest.approx(1.075) and got["companion_groups_per_s"] == cal.COMPANION_GROUPS_PER_S
+    assert slow["mean"] == pytest.approx(1.075)
+    assert got["companion_groups_per_s"] == (cal.COMPANION_GROUPS_PER_S if beside else None)
     c1 = got["threads1"]
     assert c1["decode_s"] + 32 * c1["decode_per_row_s"] + 640 * c1["decode_per_context_token_s"] == pytest.approx(3e-3)
     again = tmp_path / "again.json"
@@ -635,6 +662,30 @@ def test_the_calibration_alternates_its_runs_and_takes_the_median_of_each_slowdo
     redone = json.loads(again.read_text())
     assert redone["threads1"] == got["threads1"] and redone["pieces_from"] == str(out)
     assert redone["shared_slowdown"] == pytest.approx({"decode": 1.3, "train": 1.0, "mean": 1.15})
+
+
+def test_the_check_takes_the_side_threads_cpu_from_the_baseline_and_charges_it_where_torch_fills_the_cores(
+        monkeypatch) -> None:
+    """sim_calibrate: the baseline's threads' CPU per group, the generating thread, the torch pool and the reward
+    calls it waits for left out; colocated_t2 fills the cores of a two-core machine (not of a four-core one, nor
+    does colocated_t1); --no-side-cpu leaves it out."""
+    from chaos_script import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    cal = load_script("sim_calibrate")
+    run = json.loads((ROOT / "bench" / "results_s25.json").read_text())["runs"]["colocated_t1"]
+    run = {**run, "generator_cpu_threads": {"MainThread": 24.0, "native": 0.1, "reward-call": 0.3,
+                                            "spool-publisher": 2.3, "spool-read-ahead": 0.1, "Thread-1": 0.2}}
+    groups = run["samples"] / cal.G
+    assert cal.side_cpu_per_group(run) == pytest.approx(2.6 / groups)
+    assert cal.side_cpu_per_group({"samples": 80}) is None
+    assert cal.baseline_costs(run, 1e-3)["side_cpu_per_group_s"] == pytest.approx(2.6 / groups)
+    assert cal.baseline_costs(run, 1e-3, side_cpu=False)["side_cpu_per_group_s"] == 0.0
+    measured = json.loads((ROOT / "bench" / "sim_costs_s24.json").read_text())
+    fills = {(name, cores): cal.mode_setup(name, run, measured, cores=cores)[0].compute_fills_cores
+             for name in ("colocated_t1", "colocated_t2") for cores in (2, 4)}
+    assert fills == {("colocated_t1", 2): False, ("colocated_t1", 4): False, ("colocated_t2", 2): True,
+                     ("colocated_t2", 4): False}
 
 
 def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_until_it_is_left(monkeypatch) -> None:

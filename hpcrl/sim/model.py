@@ -61,6 +61,12 @@ class Costs:
     # disaggregated components sharing one machine's cores: a step (engine or trainer) that starts while the other
     # side is busy costs this many times more (1: separate accelerators, as on a cluster)
     shared_slowdown: float = 1.0
+    # CPU seconds the pipeline's other threads (the spool writer, the trainer's read-ahead; not a reward call the
+    # generating thread waits for) burn per group handed over. They run free on a core the compute leaves idle,
+    # and take their time from the compute where none is: all of it from the generating step with
+    # Workload.compute_fills_cores, half from it and half from the trainer's next step where the two share one
+    # machine's cores and both are busy (Pipeline.side_cpu)
+    side_cpu_per_group_s: float = 0.0
 
     def decode(self, rows: int, context: int) -> float:
         return self.decode_s + self.decode_per_row_s * rows + self.decode_per_context_token_s * context
@@ -120,6 +126,9 @@ class Workload:
     uniform_share: float = 0.0
     seed: int = 0
     shared_cores: bool = False  # disaggregated components on one machine's cores (Costs.shared_slowdown applies)
+    # the generating process's compute threads use every core it has (colocated, two torch threads on two cores):
+    # its other threads' CPU comes out of its steps (Costs.side_cpu_per_group_s)
+    compute_fills_cores: bool = False
     # failures: each replica fails as a Poisson process of this rate per hour and comes back after restart_s; its
     # in-flight groups are lost and their tickets reissued
     rollout_failures_per_hour: float = 0.0

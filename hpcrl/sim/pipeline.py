@@ -21,7 +21,8 @@ measured:
   token on every active row. With a left-padded cache (``Costs.padded_cache``,
   hpcrl's embedded engine) every row costs as much as the longest, and an
   admission into a running batch merges the running cache with the new one. A finished group is scored
-  and handed to the spool at the end of the step; a sample that finishes
+  and handed to the spool at the end of the step (the other threads' work for it, the spool writer's,
+  lengthens that step when no core is idle for it: :meth:`Pipeline.side_cpu`); a sample that finishes
   with its first token more than ``eta`` versions behind the replica's
   weights is generated again, and so is a finished row of a group still
   generating once new weights leave it that far behind (looked at when the
@@ -93,6 +94,7 @@ class Pipeline:
         self.ready: list[Group] = []
         self.trainer_busy = False
         self.trainer_busy_s = 0.0
+        self.trainer_side_cpu = 0.0  # the trainer's share of the other threads' work, paid at its next step
         self.waiting_since = 0.0  # when the trainer last started waiting for a batch (its polls count from there)
         self.samples = self.tokens = self.dropped_groups = self.failures = self.offered = self.restarted = 0
         self.prefill_calls = self.decode_steps = self.decode_rows = 0
@@ -136,6 +138,20 @@ class Pipeline:
     def slowdown(self, other_busy: bool) -> float:
         return self.costs.shared_slowdown if (self.work.shared_cores and other_busy) else 1.0
 
+    def side_cpu(self, groups: int) -> float:
+        """What the other threads' work for ``groups`` handed-over groups (Costs.side_cpu_per_group_s) adds to the
+        generating step: nothing while a core is idle for it; all of it where the generating process's compute
+        fills the cores (a parallel step waits for its slowest thread); half where a rollout shares the cores with
+        a busy trainer (three threads on two cores lose the same each), the other half the trainer's, paid at its
+        next step."""
+        cost = self.costs.side_cpu_per_group_s * groups
+        if self.work.compute_fills_cores:
+            return cost
+        if self.work.shared_cores and self.trainer_busy:
+            self.trainer_side_cpu += cost / 2
+            return cost / 2
+        return 0.0
+
     # -- the trainer --------------------------------------------------------------------------------
     def offer(self, group: Group) -> None:
         self.offered += 1
@@ -172,7 +188,10 @@ class Pipeline:
         parts = {"update": self.costs.train(tokens, 0), "spool": self.costs.spool_per_group_s * len(batch),
                  "publish": publish}
         self.phases.update({f"trainer/{k}": v * slow for k, v in parts.items()})
-        cost = sum(parts.values()) * slow
+        side, self.trainer_side_cpu = self.trainer_side_cpu, 0.0  # CPU seconds: not slowed by the sharing
+        if side > 0:
+            self.phases["trainer/side_cpu"] += side
+        cost = sum(parts.values()) * slow + side
         self.trainer_busy_s += cost
         for g in batch:
             self.trained_tickets.append(g.ticket)
@@ -332,7 +351,7 @@ class _Replica:
         pipe.restarted += len(restarted)
         parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
-        self._busy_for(pipe.slowdown(pipe.trainer_busy), finished)
+        self._busy_for(pipe.slowdown(pipe.trainer_busy), finished, pipe.side_cpu(len(finished)))
 
     def left_behind(self, group: Group) -> bool:
         """Whether the complete ``group`` is stale for every batch the trainer has still to take: its oldest token
@@ -357,9 +376,12 @@ class _Replica:
         held = len({id(r.group) for r in self.rows + self.waiting}) + len(self.parked)
         return math.ceil((work.max_staleness + 1) * work.batch_groups / work.replicas) - held
 
-    def _busy_for(self, slow: float, finished: list[Group]) -> None:
-        """Run this step's parts (times ``slow``, the shared-core slowdown); ``finished`` is handed over at its end."""
+    def _busy_for(self, slow: float, finished: list[Group], side_cpu: float = 0.0) -> None:
+        """Run this step's parts (times ``slow``, the shared-core slowdown) and ``side_cpu`` seconds of the other
+        threads' work (Pipeline.side_cpu); ``finished`` is handed over at its end."""
         self._parts = Counter({k: v * slow for k, v in self._parts.items()})
+        if side_cpu > 0:
+            self._parts["side_cpu"] += side_cpu
         cost = sum(self._parts.values())
         self.busy = True
         self._started = self.pipe.now
