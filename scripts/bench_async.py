@@ -380,7 +380,7 @@ def main() -> None:
                 f"{x['samples_per_s']:.0f}" for x in r["rounds"]) + f")  spool+admission "
                 f"{100 * r['spool_admission_share']:.2f}% ({spread})", flush=True)
     meta = {"command": " ".join(sys.argv), "steps": args.steps, "rounds": args.rounds, "task": TASK,
-            "total_wall_s": time.time() - t_start, "cpu_count": os.cpu_count()}
+            "total_wall_s": time.time() - t_start, "cpu_count": len(os.sched_getaffinity(0))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     plot(results, args.out.with_suffix(".png"))

@@ -16,9 +16,10 @@ to show the spread:
 * the embedded engine (``TorchEngine``), alone (``--companion``: beside a
   thread that publishes the task's groups into a spool at the rate the
   colocated loop's spool writer does while it generates, :class:`Companion`,
-  ``COMPANION_GROUPS_PER_S``, as the cost files of 2026-11-29's first
-  session were measured; the simulator now charges the writer's CPU itself,
-  ``side_cpu_per_group_s`` below): every decode step's time against its
+  ``COMPANION_GROUPS_PER_S``, as ``bench/sim_costs_s25.json`` (at 100 a
+  second) and ``bench/sim_costs_s25b.json`` were measured; the simulator now
+  charges the writer's CPU itself, ``side_cpu_per_group_s`` below): every
+  decode step's time against its
   rows and their context tokens over a grid of batch sizes (least squares for
   ``decode_s``, ``decode_per_row_s``, ``decode_per_context_token_s``); the
   prefill of admitted groups against tokens, into an empty engine and into
@@ -589,12 +590,14 @@ NOT_SIDE_THREADS = ("MainThread", "native", "reward-call")
 
 
 def side_cpu_per_group(run: dict) -> float | None:
-    """The CPU seconds the process's other threads burned per group it generated (the spool writer, the read-ahead,
-    ...; bench_async's ``generator_cpu_threads``), None where the run did not record them."""
+    """The CPU seconds the process's other threads burned per group it published (the spool writer, the read-ahead,
+    an unnamed library thread, ...: every thread but NOT_SIDE_THREADS; bench_async's ``generator_cpu_threads``),
+    None where the run did not record them."""
     threads = run.get("generator_cpu_threads")
     if not threads:
         return None
-    return sum(s for name, s in threads.items() if name not in NOT_SIDE_THREADS) / (run["samples"] / G)
+    groups = (run.get("rollout_stats") or {}).get("groups_published") or run["samples"] / G
+    return sum(s for name, s in threads.items() if name not in NOT_SIDE_THREADS) / groups
 
 
 def baseline_costs(run: dict, spool_per_group_s: float, side_cpu: bool = True) -> dict:
@@ -653,7 +656,7 @@ def mode_setup(name: str, run: dict, measured: dict, uniform: float = 0.0, task_
                 response_tokens=tuple(lengths), uniform_share=uniform, queued_groups=1,  # hpcrl's worker holds one
                 group_shapes=() if task_only else (group_shapes(run) or shapes))
     if name.startswith("colocated"):  # its torch threads fill the cores of the machine the run had
-        full = threads >= (cores or os.cpu_count() or 1)
+        full = threads >= (cores or len(os.sched_getaffinity(0)))
         return Workload(mode="colocated", max_staleness=0, compute_fills_cores=full, **base), costs
     eta = int(name.split("eta")[1].split("_")[0])
     steps = run["steps"]
@@ -685,6 +688,10 @@ def simulate_run(measured: dict, results_file: Path, fit: bool = True, task_only
         drop = ("rebuild_prefill_s", "rebuild_prefill_per_token_s")
         measured = {k: {**{f: x for f, x in v.items() if f not in drop}, "padded_cache": False,
                         "merge_per_token_s": 0.0} if k.startswith("threads") else v for k, v in measured.items()}
+    if side_cpu and measured.get("companion_groups_per_s"):
+        print(f"note: this cost model's engine was measured beside a spool writer "
+              f"({measured['companion_groups_per_s']:.0f} groups/s) and the simulator charges the other threads' CPU "
+              "too: the writer counts twice where the cores are full (--no-side-cpu leaves the charge out)")
     results = json.loads(results_file.read_text())
     runs, cores = results["runs"], results.get("meta", {}).get("cpu_count", 2)  # 2: every file before it was recorded
     if "colocated_t1" not in runs:
@@ -771,8 +778,8 @@ def ratio_se(rows: list[dict]) -> float | None:
 
 def check(costs_file: Path, results_files: list[Path], out: Path | None, fit: bool = True, **variant) -> None:
     """Compare the simulator with one or more bench_async runs (with several: also their means, mode by mode);
-    ``variant``: :func:`simulate_run`'s ``task_only``, ``summed`` and ``side_cpu``, recorded in ``out``. A run that did not
-    record its groups' shapes plays those of the same mode in the first of the files that did."""
+    ``variant``: :func:`simulate_run`'s ``task_only``, ``summed`` and ``side_cpu``, recorded in ``out``. A run that
+    did not record its groups' shapes plays those of the same mode in the first of the files that did."""
     measured = json.loads(costs_file.read_text())
     shapes: dict[str, tuple] = {}
     for f in results_files:

@@ -6,6 +6,7 @@ import dataclasses
 import heapq
 import json
 import statistics
+import sys
 
 import pytest
 
@@ -78,14 +79,17 @@ def test_the_other_threads_cpu_costs_the_generating_steps_only_where_no_core_is_
     assert full.wall_s == pytest.approx(free.wall_s + 10 * 3 * side)  # colocated: nothing overlaps it
     shared = Workload(steps=40, max_staleness=2, shared_cores=True, response_tokens=(3, 9))
     slowed = dataclasses.replace(costs, train_step_s=0.01, shared_slowdown=1.7)
-    pipe = Pipeline(shared, slowed)
-    r = pipe.run()
-    charged = 2 * r.phases["rollout/side_cpu"] / side  # groups handed over while the trainer was busy, half each
-    assert 0 < charged < pipe.offered and charged == pytest.approx(round(charged), abs=1e-6)
-    paid = r.phases["trainer/side_cpu"] + pipe.trainer_side_cpu  # the trainer's half, paid at its next step
-    running = sum(rep._parts["side_cpu"] for rep in pipe.replicas if rep.busy)  # cut by the run's end: unfinished
-    assert paid == pytest.approx(r.phases["rollout/side_cpu"] + running) and 0 < pipe.trainer_side_cpu < paid / 10
-    assert sum(v for k, v in r.phases.items() if k.startswith("trainer/")) == pytest.approx(r.trainer_busy_s)
+    failing = dataclasses.replace(shared, replicas=2, rollout_failures_per_hour=3600 * 4, restart_s=0.05)
+    for work in (shared, failing):
+        pipe = Pipeline(work, slowed)
+        r = pipe.run()
+        charged = 2 * r.phases["rollout/side_cpu"] / side  # groups handed over while the trainer was busy, half each
+        assert 0 < charged < pipe.offered and charged == pytest.approx(round(charged), abs=1e-6)
+        # the trainer's half, owed for the groups handed over (a failed step's are not) and paid at its next step
+        paid = r.phases["trainer/side_cpu"] + pipe.trainer_side_cpu
+        assert paid == pytest.approx(r.phases["rollout/side_cpu"]) and r.phases["trainer/side_cpu"] > 0
+        assert sum(v for k, v in r.phases.items() if k.startswith("trainer/")) == pytest.approx(r.trainer_busy_s)
+    assert r.failures > 5
     assert "rollout/side_cpu" not in simulate(dataclasses.replace(shared, shared_cores=False), slowed).phases
 
 
@@ -686,6 +690,12 @@ def test_the_check_takes_the_side_threads_cpu_from_the_baseline_and_charges_it_w
              for name in ("colocated_t1", "colocated_t2") for cores in (2, 4)}
     assert fills == {("colocated_t1", 2): False, ("colocated_t1", 4): False, ("colocated_t2", 2): True,
                      ("colocated_t2", 4): False}
+    seen = []
+    monkeypatch.setattr(cal, "check", lambda *a, **variant: seen.append(variant["side_cpu"]))
+    for flags in ([], ["--no-side-cpu"]):
+        monkeypatch.setattr(sys, "argv", ["sim_calibrate.py", "--costs", "c.json", "--check", "r.json", *flags])
+        cal.main()
+    assert seen == [True, False]
 
 
 def test_the_engine_pieces_companion_publishes_real_spool_files_at_its_rate_until_it_is_left(monkeypatch) -> None:

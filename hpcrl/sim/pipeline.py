@@ -138,19 +138,17 @@ class Pipeline:
     def slowdown(self, other_busy: bool) -> float:
         return self.costs.shared_slowdown if (self.work.shared_cores and other_busy) else 1.0
 
-    def side_cpu(self, groups: int) -> float:
-        """What the other threads' work for ``groups`` handed-over groups (Costs.side_cpu_per_group_s) adds to the
-        generating step: nothing while a core is idle for it; all of it where the generating process's compute
-        fills the cores (a parallel step waits for its slowest thread); half where a rollout shares the cores with
-        a busy trainer (three threads on two cores lose the same each), the other half the trainer's, paid at its
-        next step."""
+    def side_cpu(self, groups: int) -> tuple[float, float]:
+        """What the other threads' work for ``groups`` groups a step hands over (Costs.side_cpu_per_group_s) adds
+        to that step and to the trainer: nothing while a core is idle for it; all of it to the step where the
+        generating process's compute fills the cores (a parallel step waits for its slowest thread); where a rollout
+        shares the cores with a busy trainer (two compute threads, shared_slowdown's two cores), half each: three
+        threads on two cores lose the same. The trainer's half is owed once the step hands its groups over (not if
+        the replica fails first) and paid at its next step; what is owed when the run ends is left out."""
         cost = self.costs.side_cpu_per_group_s * groups
         if self.work.compute_fills_cores:
-            return cost
-        if self.work.shared_cores and self.trainer_busy:
-            self.trainer_side_cpu += cost / 2
-            return cost / 2
-        return 0.0
+            return cost, 0.0
+        return (cost / 2, cost / 2) if self.work.shared_cores and self.trainer_busy else (0.0, 0.0)
 
     # -- the trainer --------------------------------------------------------------------------------
     def offer(self, group: Group) -> None:
@@ -252,6 +250,7 @@ class _Replica:
         self.parked: list[Group] = []  # complete but left behind (left_behind): generated again at new weights
         self._started = 0.0  # when the running step started
         self._parts: Counter = Counter()  # the running step's seconds by phase (added to the run's when it ends)
+        self._trainer_side = 0.0  # what the running step's side work costs the trainer (Pipeline.side_cpu)
         self._idle_since = 0.0  # when it last found nothing to do (its sleeps between looks count from there)
         self._look_due = False  # a look at the end of the current sleep is scheduled
 
@@ -351,7 +350,7 @@ class _Replica:
         pipe.restarted += len(restarted)
         parts["reward"] += len(finished) * work.group_size * costs.reward_per_sample_s
         parts["spool_write"] += len(finished) * costs.spool_write_per_group_s
-        self._busy_for(pipe.slowdown(pipe.trainer_busy), finished, pipe.side_cpu(len(finished)))
+        self._busy_for(pipe.slowdown(pipe.trainer_busy), finished, *pipe.side_cpu(len(finished)))
 
     def left_behind(self, group: Group) -> bool:
         """Whether the complete ``group`` is stale for every batch the trainer has still to take: its oldest token
@@ -376,12 +375,14 @@ class _Replica:
         held = len({id(r.group) for r in self.rows + self.waiting}) + len(self.parked)
         return math.ceil((work.max_staleness + 1) * work.batch_groups / work.replicas) - held
 
-    def _busy_for(self, slow: float, finished: list[Group], side_cpu: float = 0.0) -> None:
+    def _busy_for(self, slow: float, finished: list[Group], side_cpu: float = 0.0, trainer_side: float = 0.0) -> None:
         """Run this step's parts (times ``slow``, the shared-core slowdown) and ``side_cpu`` seconds of the other
-        threads' work (Pipeline.side_cpu); ``finished`` is handed over at its end."""
+        threads' work, ``trainer_side`` owed by the trainer at its end (Pipeline.side_cpu); ``finished`` is handed
+        over at its end."""
         self._parts = Counter({k: v * slow for k, v in self._parts.items()})
         if side_cpu > 0:
             self._parts["side_cpu"] += side_cpu
+        self._trainer_side = trainer_side
         cost = sum(self._parts.values())
         self.busy = True
         self._started = self.pipe.now
@@ -400,6 +401,7 @@ class _Replica:
             return
         self.busy_s += self.pipe.now - self._started
         self.pipe.phases.update({f"rollout/{k}": v for k, v in self._parts.items()})
+        self.pipe.trainer_side_cpu += self._trainer_side
         for g in finished:  # still busy meanwhile: a wake from the trainer must not start a second step
             self.pipe.offer(g)
         self.busy = False
