@@ -183,6 +183,15 @@ def test_a_ticket_recorded_dropped_is_never_trained(tmp_path) -> None:
     assert late.index not in feed.drop_records
     feed.retain(keep_dropped_files=10)  # after a checkpoint: the count is checked
     assert ledger.recounts == 1 and late.index in feed.drop_records
+    # its record and count written between this trainer's check and its own count, which overwrites theirs: no
+    # recount fires, and the feed lists its drop records again at each checkpoint instead
+    later = ledger.try_admit(1, "r0-a")
+    count = (tmp_path / "admission" / "dropped.count").read_text()
+    old.record_drop(later.index, "uniform")
+    (tmp_path / "admission" / "dropped.count").write_text(count)
+    assert later.index not in feed.drop_records
+    feed.retain(keep_dropped_files=10)
+    assert ledger.recounts == 1 and later.index in feed.drop_records
 
 
 def test_stale_file_is_reissued_only_by_its_holder(tmp_path) -> None:

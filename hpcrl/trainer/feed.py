@@ -311,10 +311,12 @@ class BatchFeed:
         return out
 
     def retain(self, keep_dropped_files: int) -> dict[str, int]:
-        """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues. Its cost
-        follows what changed since the last checkpoint, not the run's length."""
+        """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues, and list
+        the drop records again (names only): a fenced-off trainer's record whose count this trainer overwrote in
+        the same window fires no recount. Pruning and compaction cost what changed since the last checkpoint."""
         finished = lambda n: n in self.trained or self.ledger.is_dropped(n)  # noqa: E731
         self.ledger.check_drop_count()
+        self._drop_records = None
         return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
                 "reissues_compacted": self.ledger.compact_reissues(finished)}
 
