@@ -184,14 +184,20 @@ def test_a_ticket_recorded_dropped_is_never_trained(tmp_path) -> None:
     feed.retain(keep_dropped_files=10)  # after a checkpoint: the count is checked
     assert ledger.recounts == 1 and late.index in feed.drop_records
     # its record and count written between this trainer's check and its own count, which overwrites theirs: no
-    # recount fires, and the feed lists its drop records again at each checkpoint instead
-    later = ledger.try_admit(1, "r0-a")
+    # recount fires; the feed lists its drop records again at its first checkpoint (once: not a cost of run length)
+    later, last = ledger.try_admit(1, "r0-a"), ledger.try_admit(1, "r0-a")
+    fresh = BatchFeed(spool, ledger, 1, 0, timeout_s=2, poll_s=0.001)  # a feed yet to make its first checkpoint
+    assert later.index not in fresh.drop_records  # listed at its first look
     count = (tmp_path / "admission" / "dropped.count").read_text()
     old.record_drop(later.index, "uniform")
     (tmp_path / "admission" / "dropped.count").write_text(count)
-    assert later.index not in feed.drop_records
-    feed.retain(keep_dropped_files=10)
-    assert ledger.recounts == 1 and later.index in feed.drop_records
+    assert later.index not in fresh.drop_records
+    fresh.retain(keep_dropped_files=10)
+    assert ledger.recounts == 1 and later.index in fresh.drop_records
+    old.record_drop(last.index, "uniform")
+    (tmp_path / "admission" / "dropped.count").write_text(count)
+    fresh.retain(keep_dropped_files=10)
+    assert last.index not in fresh.drop_records  # not listed at the checkpoints after
 
 
 def test_stale_file_is_reissued_only_by_its_holder(tmp_path) -> None:

@@ -106,6 +106,7 @@ class BatchFeed:
         # trainer runs it is the only process that records drops, as it is for the ledger's drop count)
         self._drop_records: set[int] | None = None
         self._recounts_seen = 0  # the ledger's recounts when they were listed: a recount lists them again
+        self._relisted = False  # listed again at the first checkpoint (retain)
         self._batch: set[int] = set()  # tickets of the batch being assembled
         # tells the rollouts which batch is in hand (not in colocated mode, whose rollout generates while it waits)
         self.taken = TakenMark(spool.root) if mark_taken else None
@@ -311,12 +312,15 @@ class BatchFeed:
         return out
 
     def retain(self, keep_dropped_files: int) -> dict[str, int]:
-        """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues, and list
-        the drop records again (names only): a fenced-off trainer's record whose count this trainer overwrote in
-        the same window fires no recount. Pruning and compaction cost what changed since the last checkpoint."""
+        """Retention (after a checkpoint): prune old set-aside data, compact finished tickets' reissues; its cost
+        follows what changed since the last checkpoint, not the run's length. The first one after this feed
+        started also lists the drop records again (names only, once): a fenced-off trainer's record whose count
+        this trainer overwrote in the same moment fires no recount, and such a trainer writes, if at all, around
+        the takeover (unless it was paused between its fence check and its record)."""
         finished = lambda n: n in self.trained or self.ledger.is_dropped(n)  # noqa: E731
         self.ledger.check_drop_count()
-        self._drop_records = None
+        if not self._relisted:
+            self._drop_records, self._relisted = None, True
         return {"dropped_data_pruned": self.spool.prune_set_aside(keep_dropped_files),
                 "reissues_compacted": self.ledger.compact_reissues(finished)}
 
