@@ -835,7 +835,7 @@ def test_a_group_the_taken_batch_leaves_behind_is_parked_not_set_aside(monkeypat
     with_mark = Pipeline(work, Costs())
     parked = with_mark.run()
     assert_no_ticket_lost(with_mark)
-    monkeypatch.setattr("hpcrl.sim.pipeline._Replica.left_behind", lambda self, group: False)  # no mark
+    monkeypatch.setattr("hpcrl.sim.replica.Replica.left_behind", lambda self, group: False)  # no mark
     without = Pipeline(work, Costs())
     set_aside = without.run()
     assert_no_ticket_lost(without)
