@@ -514,15 +514,15 @@ def test_a_group_is_handed_over_only_while_its_oldest_token_is_within_the_bound(
 
 
 def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypatch) -> None:
-    """scripts/sim_calibrate.py --check with repeated runs: each is played on its own, and the check is made on the
-    mean ratios (the same run twice: the mean is that run)."""
+    """scripts/sim_calibrate.py --check (scripts/_sim_check.py) with repeated runs: each is played on its own, and
+    the check is made on the mean ratios (the same run twice: the mean is that run)."""
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its _bench
-    cal = load_script("sim_calibrate")
+    chk = load_script("_sim_check")
     costs, run = ROOT / "bench" / "sim_costs_gate.json", ROOT / "bench" / "results_gate.json"
     out = tmp_path / "check.json"
-    cal.check(costs, [run, run], out)
+    chk.check(costs, [run, run], out)
     got = json.loads(out.read_text())
     one = got["runs"][str(run)]["modes"]
     assert got["modes"].keys() == one.keys() and "async_eta4" in one
@@ -531,7 +531,7 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
         assert r["simulated_ratio"] == pytest.approx(one[name]["simulated_ratio"])
         assert r["measured_ratios"] == [one[name]["measured_ratio"]] * 2
     assert got["within_10_percent"] == sum(abs(r["error"]) <= 0.10 for r in one.values())
-    mean = cal.mean_of_runs([{"modes": {"a": {"measured_ratio": 1.0, "simulated_ratio": 1.2,
+    mean = chk.mean_of_runs([{"modes": {"a": {"measured_ratio": 1.0, "simulated_ratio": 1.2,
                                               "measured_ratio_rounds": [0.9, 1.1]}}},
                              {"modes": {"a": {"measured_ratio": 1.4, "simulated_ratio": 1.2,
                                               "measured_ratio_rounds": [1.3, None, 1.5]},
@@ -539,7 +539,7 @@ def test_the_check_on_several_runs_compares_their_mean_ratios(tmp_path, monkeypa
     assert mean.keys() == {"a"} and mean["a"]["error"] == pytest.approx(0.0)  # b is not in every run
     # the mean's standard error from the four rounds' ratios (a round without one left out)
     assert mean["a"]["measured_ratio_se"] == pytest.approx(statistics.stdev([0.9, 1.1, 1.3, 1.5]) / 2)
-    assert cal.ratio_se([{"measured_ratio_rounds": [1.2]}]) is None and cal.ratio_se([{}]) is None
+    assert chk.ratio_se([{"measured_ratio_rounds": [1.2]}]) is None and chk.ratio_se([{}]) is None
 
 
 def test_bench_async_means_its_rounds_and_keeps_each_rounds_ratio(monkeypatch) -> None:
@@ -676,17 +676,17 @@ def test_the_check_takes_the_side_threads_cpu_from_the_baseline_and_charges_it_w
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    cal = load_script("sim_calibrate")
+    cal, chk = load_script("sim_calibrate"), load_script("_sim_check")
     run = json.loads((ROOT / "bench" / "results_s25.json").read_text())["runs"]["colocated_t1"]
     run = {**run, "generator_cpu_threads": {"MainThread": 24.0, "native": 0.1, "reward-call": 0.3,
                                             "spool-publisher": 2.3, "spool-read-ahead": 0.1, "Thread-1": 0.2}}
     groups = run["samples"] / cal.G
-    assert cal.side_cpu_per_group(run) == pytest.approx(2.6 / groups)
-    assert cal.side_cpu_per_group({"samples": 80}) is None
-    assert cal.baseline_costs(run, 1e-3)["side_cpu_per_group_s"] == pytest.approx(2.6 / groups)
-    assert cal.baseline_costs(run, 1e-3, side_cpu=False)["side_cpu_per_group_s"] == 0.0
+    assert chk.side_cpu_per_group(run) == pytest.approx(2.6 / groups)
+    assert chk.side_cpu_per_group({"samples": 80}) is None
+    assert chk.baseline_costs(run, 1e-3)["side_cpu_per_group_s"] == pytest.approx(2.6 / groups)
+    assert chk.baseline_costs(run, 1e-3, side_cpu=False)["side_cpu_per_group_s"] == 0.0
     measured = json.loads((ROOT / "bench" / "sim_costs_s24.json").read_text())
-    fills = {(name, cores): cal.mode_setup(name, run, measured, cores=cores)[0].compute_fills_cores
+    fills = {(name, cores): chk.mode_setup(name, run, measured, cores=cores)[0].compute_fills_cores
              for name in ("colocated_t1", "colocated_t2") for cores in (2, 4)}
     assert fills == {("colocated_t1", 2): False, ("colocated_t1", 4): False, ("colocated_t2", 2): True,
                      ("colocated_t2", 4): False}
@@ -812,7 +812,7 @@ def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(
     from hpcrl.spool.format import Sample, TrajectoryGroup, file_name, write_group
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench, cal = load_script("bench_async"), load_script("sim_calibrate")
+    bench, task = load_script("bench_async"), load_script("_sim_task")
     step = tmp_path / "spool" / "trained" / "step_000003"
     step.mkdir(parents=True)
     groups = [(7, [[4, 4, 4], [2], [2, 5]]), (12, [[1, 2, 9, 9, 9, 9, 9, 9, 9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])]
@@ -823,9 +823,9 @@ def test_bench_async_records_each_trained_groups_shape_and_the_check_plays_them(
         write_group(step / file_name(group), group)
     hist, _, files, shapes = bench.spool_scan(tmp_path)
     assert files == 2 and shapes == ["12:5,5,9:5,2", "7:1,2,3:1,0"] and hist == {1: 6 + 19}
-    assert cal.group_shapes({"group_shapes": shapes}) == ((12, (5, 5, 9), (5, 2)), (7, (1, 2, 3), (1, 0)))
-    assert cal.group_shapes({"group_shapes": ["7:3,0,2"]}) == ((7, (3, 1, 2)),)
-    assert cal.group_shapes({}) == ()
+    assert task.group_shapes({"group_shapes": shapes}) == ((12, (5, 5, 9), (5, 2)), (7, (1, 2, 3), (1, 0)))
+    assert task.group_shapes({"group_shapes": ["7:3,0,2"]}) == ((7, (3, 1, 2)),)
+    assert task.group_shapes({}) == ()
 
 
 def test_a_group_the_taken_batch_leaves_behind_is_parked_not_set_aside(monkeypatch) -> None:
@@ -891,12 +891,12 @@ def test_the_check_prices_each_bin_of_real_decode_steps_at_its_mean_rows_and_con
     from chaos_script import ROOT, load_script
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    cal = load_script("sim_calibrate")
+    chk = load_script("_sim_check")
     costs = Costs(decode_s=1e-3, decode_per_row_s=1e-4, decode_per_context_token_s=1e-6)
     engine = {"decode_by_rows": {"64": {"steps": 4, "rows": 240, "s": 0.04, "context": 8000},
                                  "8": {"steps": 2, "rows": 10, "s": 0.004, "context": 100}, "16": {"steps": 0}}}
-    got = cal.decode_by_rows(engine, costs)
+    got = chk.decode_by_rows(engine, costs)
     assert list(got) == ["8", "64"]  # a bin without steps is left out
     assert got["8"] == pytest.approx((2.0, 1.0 + 0.5 + 0.05, 2))
     assert got["64"] == pytest.approx((10.0, 1.0 + 6.0 + 2.0, 4))
-    assert cal.decode_by_rows({}, costs) == {}
+    assert chk.decode_by_rows({}, costs) == {}
