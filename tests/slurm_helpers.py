@@ -88,12 +88,79 @@ def last_step(run: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180, log: Path | None = None) -> None:
+def slurm_state() -> str:
+    """What Slurm shows now: every job (state, CPUs, node, why it waits) and every node (state, CPUs
+    allocated/idle/other/total, why it is down). Put in a Slurm test's failure message, so that a run stuck in
+    the queue says what holds it."""
+    parts = []
+    for cmd in (["squeue", "-a", "-o", "%.10i %.16P %.24j %.10T %.9M %.4C %.8N %r"],
+                ["sinfo", "-N", "-o", "%.6N %.16P %.8t %.10C %E"]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            parts.append(f"$ {cmd[0]}\n{done.stdout.rstrip()}{done.stderr.rstrip()}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            parts.append(f"$ {cmd[0]}: {e}")
+    return "\n".join(parts)
+
+
+def run_logs(run: Path, chars: int = 1500) -> str:
+    """The tail of each component's log of a run (trainer, rollouts, ...), for a failure message."""
+    logs = sorted(p for p in (run / "logs").glob("*.log")) if (run / "logs").is_dir() else []
+    return "".join(f"\n--- {p.name} (tail)\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+
+
+def diagnosis(run: Path | None) -> str:
+    """What a failing wait on a run adds to its message: the components' log tails and, for a run whose jobs
+    are Slurm's, Slurm's view of the jobs and nodes."""
+    if run is None:
+        return ""
+    slurm = any(r.get("scheduler") == "slurm" for r in registry(run).values())
+    return run_logs(run) + (f"\n--- Slurm now\n{slurm_state()}" if slurm else "")
+
+
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180, log: Path | None = None,
+             run: Path | None = None) -> None:
     """Wait until ``cond()``; fail when the run (``proc``) ends first or after ``timeout`` seconds, with the tail
-    of the run's own output (``log``) in the message."""
+    of the run's own output (``log``) in the message and, given the run directory, its components' log tails
+    and Slurm's view of its jobs."""
     deadline = time.time() + timeout
     while not cond():
-        tail = (log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else "")
-        assert proc.poll() is None, f"run ended while waiting for {what}\n{tail}"
-        assert time.time() < deadline, f"timed out waiting for {what}\n{tail}"
+        ended, late = proc.poll() is not None, time.time() >= deadline
+        if ended or late:
+            tail = (log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else "")
+            raise AssertionError(f"{'run ended' if ended else 'timed out'} while waiting for {what}\n{tail}"
+                                 f"{diagnosis(run)}")
         time.sleep(0.5)
+
+
+def run_jobs(run: Path) -> list[str]:
+    """The Slurm jobs (pending or running) whose comment names this run: what its supervisor submitted."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k"], capture_output=True, text=True, timeout=30).stdout
+    mark = f"run={run.resolve()},"
+    return [ln.split("|", 1)[0] for ln in out.splitlines() if mark in ln]
+
+
+def stop_run(proc: subprocess.Popen, run: Path) -> None:
+    """The end of a Slurm test: a supervisor that still runs (the test failed before the run ended) is killed and
+    every job of its run cancelled, so that a failed test leaves nothing in the queue holding the nodes the next
+    test needs. A supervisor that already ended (or that the test stopped itself) leaves the jobs alone."""
+    if proc.poll() is not None:
+        return
+    proc.kill()
+    proc.wait()
+    jobs, deadline = run_jobs(run), time.time() + 60
+    if jobs:
+        subprocess.run(["scancel", *jobs], capture_output=True, timeout=60)
+    while jobs and time.time() < deadline:  # until Slurm has let go of them (a cancelled job completes first)
+        time.sleep(1)
+        jobs = run_jobs(run)
+
+
+def wait_node_free(node: str, timeout: float = 120) -> None:
+    """Wait until no job runs on ``node`` (a test that needs all of the node's CPUs); fail with Slurm's view
+    when something else still holds it after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while subprocess.run(["squeue", "-h", "-w", node, "-o", "%i"], capture_output=True, text=True,
+                         timeout=30).stdout.strip():
+        assert time.time() < deadline, f"{node} is still taken after {timeout:.0f} s\n{slurm_state()}"
+        time.sleep(1)

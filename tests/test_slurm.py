@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, cluster_skip_reason, job_env, run_args, sacct, submit_cmd, wait_not_active
+from slurm_helpers import (ROOT, cluster_skip_reason, job_env, run_args, sacct, stop_run, submit_cmd,
+                           wait_not_active)
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_evals, read_metrics
@@ -141,8 +142,7 @@ def test_a_second_rollout_job_added_mid_run_contributes_within_the_staleness_bou
         second = json.loads((run / "jobs" / "rollout-1.json").read_text())["job_id"]
         _, err = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_run(proc, run)
     assert proc.returncode == 0, err[-4000:]
     writers: dict[str, set[int]] = {}
     for step, entries in Spool(run / "spool").trained().items():

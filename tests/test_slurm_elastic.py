@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, submit_cmd, wait_for,
-                           wait_not_active)
+from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, stop_run, submit_cmd,
+                           wait_for, wait_node_free, wait_not_active)
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -68,6 +68,7 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     ``scontrol requeue``, as a preemption that outlasts the grace time does) runs again as the same job, writing
     as a new incarnation that hands back what the run before held."""
     run, cache = tmp_path / "run", tmp_path / "cache"
+    wait_node_free("node1")  # the rollout needs all of node1: nothing an earlier test left may hold it
     cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "eval.every_steps=0", "watchdog.backoff_s=0.5",
                      "watchdog.max_restarts=0", "watchdog.startup_grace_s=15", f"launch.rollout.partition={partition}",
                      *PLACED)
@@ -78,20 +79,21 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     try:
         for k in range(preemptions):
             wait_for(lambda: last_step(run) >= 15 + 25 * k and starts(run) == k + 1, proc, f"step {15 + 25 * k}",
-                     log=out)
+                     log=out, run=run)
             high.append(preempt_node1(tmp_path))
             wait_for(lambda: starts(run) == k + 2, proc, f"the rollout back after preemption {k + 1}",
-                     log=out)
+                     log=out, run=run)
             step = last_step(run)
-            wait_for(lambda: last_step(run) >= step + 5, proc, f"progress after preemption {k + 1}", log=out)
+            wait_for(lambda: last_step(run) >= step + 5, proc, f"progress after preemption {k + 1}", log=out,
+                     run=run)
         if partition == "scavenger":
             requeued = registry(run)["rollout-0"]["job_id"]
             subprocess.run(["scontrol", "requeue", requeued], check=True, capture_output=True, timeout=60)
-            wait_for(lambda: starts(run) == preemptions + 2, proc, "the requeued rollout job running again", log=out)
+            wait_for(lambda: starts(run) == preemptions + 2, proc, "the requeued rollout job running again", log=out,
+                     run=run)
         assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_run(proc, run)
         subprocess.run(["scancel", *high], capture_output=True)
     log = (run / "logs" / "rollout-0.log").read_text(errors="replace")
     assert log.count("received SIGTERM") >= preemptions, log[-3000:]
@@ -132,18 +134,17 @@ def test_the_autoscaler_adds_a_slurm_job_when_the_trainer_waits_and_scale_drains
         return sum(b.get("groups", 0) for n, b in read_heartbeats(run).items() if n.startswith("rollout-1@"))
 
     try:
-        wait_for(lambda: groups_of_replica_1() > 0, proc, "the added replica's first groups", log=out)
+        wait_for(lambda: groups_of_replica_1() > 0, proc, "the added replica's first groups", log=out, run=run)
         added = registry(run)["rollout-1"]["job_id"]
         down = subprocess.run([sys.executable, "-m", "hpcrl", "scale", str(run), "1"], capture_output=True,
                               text=True, timeout=120, cwd=ROOT, env=job_env())
         assert down.returncode == 0 and "2 -> 1" in down.stderr, down.stderr
-        wait_for(lambda: "rollout-1" not in registry(run), proc, "the drained replica retired", log=out)
+        wait_for(lambda: "rollout-1" not in registry(run), proc, "the drained replica retired", log=out, run=run)
         at = last_step(run)
         assert at < steps - 20, "the run ended too soon to see it go on with one replica: raise the steps"
         assert proc.wait(timeout=300) == 0, out.read_text()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_run(proc, run)
     log = out.read_text()
     assert "autoscale: 1 -> 2: the trainer waited for data" in log, log[-3000:]
     events = [json.loads(x) for x in (run / "jobs" / "events.jsonl").read_text().splitlines()]
@@ -171,6 +172,7 @@ def test_has_room_asks_slurm_whether_a_rollout_job_would_start_soon(tmp_path) ->
     from hpcrl.launch.scheduler import ComponentSpec
     from hpcrl.launch.slurm import SlurmScheduler
 
+    wait_node_free("node1")
     sched = SlurmScheduler(tmp_path / "slurm")
     spec = ComponentSpec("rollout-1", ["true"], tmp_path / "rollout-1.log",
                          resources=ResourcesConfig(cpus_per_task=4, extra_sbatch=["--nodelist=node1"]))
@@ -201,7 +203,7 @@ def test_rollout_replicas_are_one_job_array_whose_tasks_restart_alone(tmp_path) 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"),
                             env=job_env(), cwd=ROOT)
     try:
-        wait_for(lambda: last_step(run) >= 15, proc, "step 15")
+        wait_for(lambda: last_step(run) >= 15, proc, "step 15", run=run)
         first, second = registry(run)["rollout-0"]["job_id"], registry(run)["rollout-1"]["job_id"]
         array = first.split("_")[0]
         assert (first, second) == (f"{array}_0", f"{array}_1"), registry(run)
@@ -211,21 +213,61 @@ def test_rollout_replicas_are_one_job_array_whose_tasks_restart_alone(tmp_path) 
         assert {j: n for j, (n, _) in names.items()} == {first: "hpcrl-rollout", second: "hpcrl-rollout"}, rows
         assert ",component=rollout-1," in names[second][1], rows
         subprocess.run(["scancel", second], check=True, timeout=60)
-        wait_for(lambda: registry(run)["rollout-1"]["job_id"] != second, proc, "rollout-1 resubmitted")
+        wait_for(lambda: registry(run)["rollout-1"]["job_id"] != second, proc, "rollout-1 resubmitted", run=run)
         alone = registry(run)["rollout-1"]["job_id"]
         assert "_" not in alone and registry(run)["rollout-0"]["job_id"] == first  # the other task runs on
         wait_for(lambda: json.loads(subprocess.run(
             [sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True, text=True,
             timeout=120, env=job_env(), cwd=ROOT).stdout)["components"]["rollout-1"]["state"] == "RUNNING", proc,
-            "status of the resubmitted task")
+            "status of the resubmitted task", run=run)
         st = json.loads(subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"],
                                        capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT).stdout)
         assert {n: (c["job_id"], c["state"]) for n, c in st["components"].items() if n.startswith("rollout")} == \
             {"rollout-0": (first, "RUNNING"), "rollout-1": (alone, "RUNNING")}, st["components"]
         assert proc.wait(timeout=600) == 0, (tmp_path / "submit.log").read_text()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_run(proc, run)
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == 200 and rep.unfinished == 0
+
+
+def test_a_failing_wait_says_what_slurm_holds_and_a_failed_test_cancels_its_runs_jobs(tmp_path) -> None:
+    """The Slurm tests' own helpers: a node taken by another job fails ``wait_node_free`` with Slurm's view; a
+    wait on a run that times out adds the components' log tails and the queue; ``stop_run`` kills a supervisor
+    still running and cancels every job whose comment names its run, and leaves other jobs alone."""
+    from slurm_helpers import run_jobs
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "jobs").mkdir()
+    (run / "logs" / "rollout-0.log").write_text("rollout started\nwaiting for the node\n")
+    (run / "jobs" / "registry.json").write_text(json.dumps({"rollout-0": {"scheduler": "slurm", "job_id": "1"}}))
+
+    def sbatch(*args: str) -> str:
+        return subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", *args, "--wrap", "sleep 120"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+    holder = sbatch("-p", "high", "-w", "node1", "-c", "4", "-J", "hpcrl-test-holder")
+    other = sbatch("-J", "hpcrl-test-other", f"--comment=hpcrl,run={tmp_path / 'elsewhere'},component=x")
+    mine = sbatch("-J", "hpcrl-test-mine", f"--comment=hpcrl,run={run.resolve()},component=rollout-0,epoch=1")
+    proc = subprocess.Popen(["sleep", "120"])
+    try:
+        wait_for(lambda: subprocess.run(["squeue", "-h", "-j", holder, "-o", "%T"], capture_output=True,
+                                        text=True, timeout=30).stdout.strip() == "RUNNING", proc, "the holder")
+        with pytest.raises(AssertionError, match=r"(?s)node1 is still taken after 2 s.*hpcrl-test-holder"):
+            wait_node_free("node1", timeout=2)
+        with pytest.raises(AssertionError) as failed:
+            wait_for(lambda: False, proc, "step 15", timeout=1, run=run)
+        message = str(failed.value)
+        assert message.startswith("timed out while waiting for step 15"), message
+        assert "--- rollout-0.log (tail)\nrollout started\nwaiting for the node" in message, message
+        assert "--- Slurm now\n$ squeue" in message and "hpcrl-test-holder" in message and "$ sinfo" in message
+        assert run_jobs(run) == [mine]
+        stop_run(proc, run)
+        assert proc.poll() is not None and run_jobs(run) == []
+        assert subprocess.run(["squeue", "-h", "-j", other, "-o", "%T"], capture_output=True, text=True,
+                              timeout=30).stdout.strip() in ("PENDING", "RUNNING")  # not this run's: left alone
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", holder, other, mine], capture_output=True, timeout=60)

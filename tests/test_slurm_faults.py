@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from chaos_script import load_chaos
-from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, run_args, sacct, submit_cmd,
-                           wait_for, wait_not_active)
+from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, registry, run_args, sacct, stop_run,
+                           submit_cmd, wait_for, wait_not_active)
 
 from hpcrl.audit import audit
 from hpcrl.metrics.writer import read_metrics
@@ -48,20 +48,21 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "submit.log", "w"),
                             env=job_env(), cwd=ROOT)
     try:
-        wait_for(lambda: last_step(run) >= 20, proc, "step 20")
+        wait_for(lambda: last_step(run) >= 20, proc, "step 20", run=run)
         for name in ("rollout-0", "trainer"):
             old = registry(run)[name]["job_id"]
             subprocess.run(["scancel", old], check=True)
             wait_for(lambda: registry(run).get(name, {}).get("job_id") not in (None, old), proc,
-                     f"resubmission of {name}")
+                     f"resubmission of {name}", run=run)
             step = last_step(run)
-            wait_for(lambda: last_step(run) >= step + 10, proc, f"progress after {name} came back")
+            wait_for(lambda: last_step(run) >= step + 10, proc, f"progress after {name} came back", run=run)
         # a hard kill: SIGKILL of the trainer process itself, not through Slurm; it cannot checkpoint
         old, stops = registry(run)["trainer"]["job_id"], log_lines(run / "logs/trainer-r0.log", "preempted (")
         os.kill(load_chaos().run_processes(run)["trainer"][0], signal.SIGKILL)
-        wait_for(lambda: registry(run)["trainer"]["job_id"] != old, proc, "resubmission of the killed trainer")
+        wait_for(lambda: registry(run)["trainer"]["job_id"] != old, proc, "resubmission of the killed trainer",
+                 run=run)
         step = last_step(run)
-        wait_for(lambda: last_step(run) >= step + 10, proc, "progress after the hard kill")
+        wait_for(lambda: last_step(run) >= step + 10, proc, "progress after the hard kill", run=run)
         assert log_lines(run / "logs/trainer-r0.log", "preempted (") == stops  # no checkpoint on the way out
         wait_not_active([old])  # slurmdbd may lag behind the supervisor, which waited for squeue
         rows = [ln.split("|") for ln in subprocess.run(
@@ -82,8 +83,7 @@ def test_scancel_of_rollout_and_trainer_jobs_is_survived_and_cancel_stops_orphan
         cancelled = hpcrl_cli("cancel", str(run))
         assert cancelled.returncode == 0 and "no supervisor runs" in cancelled.stderr, cancelled.stderr[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_run(proc, run)
     at = last_step(run)
     assert (run / "ckpt" / f"step_{at:06d}").is_dir()
     # the cancel's SIGUSR2 made it checkpoint and stop (after a step, or while it waited for a batch)
