@@ -55,12 +55,12 @@ from hpcrl.plugins import resolve
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
+from hpcrl.launch.progress import Progress
 from hpcrl.launch.autoscale import Autoscaler
 from hpcrl.launch.fleet import describe, plan, replica_of, scale_requested, wanted_replicas
 from hpcrl.runtime.heartbeat import read_heartbeats
 from hpcrl.runtime.preempt import PreemptionFlag
 from hpcrl.launch.takeover import clean_temporaries, registry, start_ticks, take_over
-from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.runtime.owner import ENV_EPOCH, ENV_INSTANCE, Fence, Owner, claim
 from hpcrl.spool.store import Spool
 from hpcrl.watchdog.policy import Decision, Watchdog
@@ -136,33 +136,6 @@ def make_scheduler(cfg: RunConfig, run_dir: Path) -> Scheduler:
     """The scheduler ``launch.scheduler`` names, built by its spec (its module imported here: submitit only
     where Slurm is used)."""
     return resolve(scheduler_spec(cfg.launch.scheduler).build, "launch.scheduler")(cfg, run_dir)
-
-
-class Progress:
-    """Prints one line per interval from the newest metrics record."""
-
-    def __init__(self, metrics_path: Path, total_steps: int, interval_s: float) -> None:
-        self.path, self.total, self.interval = metrics_path, total_steps, interval_s
-        self._last_print, self._last_step = 0.0, -1
-
-    def maybe_print(self, force: bool = False) -> None:
-        if not force and time.time() - self._last_print < self.interval:
-            return
-        records = read_metrics(self.path)
-        if not records or records[-1].get("step", -1) == self._last_step:
-            return
-        self._last_print, r = time.time(), records[-1]
-        self._last_step = r.get("step", -1)
-        evals = read_evals(self.path.parent)
-        acc = evals[-1]["eval/accuracy"] if evals else None
-        log.info("step %d/%d | reward %s | held-out acc %s | staleness max %s | %s samples/s | %.0fs",
-                 r.get("step", 0), self.total, _fmt(r.get("reward/mean")), _fmt(acc),
-                 _fmt(r.get("staleness/max"), "{:.0f}"), _fmt(r.get("throughput/samples_per_s"), "{:.1f}"),
-                 r.get("time/elapsed_s", 0.0))
-
-
-def _fmt(v, spec: str = "{:.3f}") -> str:
-    return "-" if v is None else spec.format(v)
 
 
 class RunTakenOver(RuntimeError):
