@@ -22,6 +22,7 @@ from slurm_helpers import (ROOT, cluster_skip_reason, job_env, last_step, regist
                            wait_for, wait_node_free, wait_not_active)
 
 from hpcrl.audit import audit
+from hpcrl.launch.control import components
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
 
@@ -71,7 +72,7 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     wait_node_free("node1")  # the rollout needs all of node1: nothing an earlier test left may hold it
     cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "eval.every_steps=0", "watchdog.backoff_s=0.5",
                      "watchdog.max_restarts=0", "watchdog.startup_grace_s=15", f"launch.rollout.partition={partition}",
-                     *PLACED)
+                     "launch.queue_note_s=10", *PLACED)
     out = tmp_path / "submit.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out, "w"), env=job_env(), cwd=ROOT)
     high: list[str] = []
@@ -108,6 +109,10 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
         assert registry(run)["rollout-0"]["job_id"] == requeued
         assert log.count("Slurm requeued this job") == 1 and f"writer r0-{registry(run)['rollout-0']['instance']}q1" \
             in log, log[-3000:]
+    # the rollout's wait for node1 (25 s, the high-priority job) said on the terminal, and its start
+    said = (tmp_path / "submit.log").read_text()
+    assert "rollout-0: job " in said and " s in the scheduler's queue (why: python -m hpcrl status" in said, said[-3000:]
+    assert " s in the queue" in said.split("in the scheduler's queue")[-1], said[-3000:]
     rep = audit(run)
     assert rep.ok, rep.violations
     assert rep.steps == STEPS and rep.unfinished == 0
@@ -251,7 +256,7 @@ def test_a_failing_wait_says_what_slurm_holds_and_a_failed_test_cancels_its_runs
     holder = sbatch("-p", "high", "-w", "node1", "-c", "4", "-J", "hpcrl-test-holder")
     other = sbatch("-J", "hpcrl-test-other", f"--comment=hpcrl,run={tmp_path / 'elsewhere'},component=x")
     mine = sbatch("-J", "hpcrl-test-mine", f"--comment=hpcrl,run={run.resolve()},component=rollout-0,epoch=1")
-    proc = subprocess.Popen(["sleep", "120"])
+    proc, pending = subprocess.Popen(["sleep", "120"]), ""
     try:
         wait_for(lambda: subprocess.run(["squeue", "-h", "-j", holder, "-o", "%T"], capture_output=True,
                                         text=True, timeout=30).stdout.strip() == "RUNNING", proc, "the holder")
@@ -263,11 +268,19 @@ def test_a_failing_wait_says_what_slurm_holds_and_a_failed_test_cancels_its_runs
         assert message.startswith("timed out while waiting for step 15"), message
         assert "--- rollout-0.log (tail)\nrollout started\nwaiting for the node" in message, message
         assert "--- Slurm now\n$ squeue" in message and "hpcrl-test-holder" in message and "$ sinfo" in message
-        assert run_jobs(run) == [mine]
+        # `status` says why a job of the run waits: one that needs node1 pends behind the holder
+        pending = sbatch("-p", "debug", "-w", "node1", "-c", "4", "-J", "hpcrl-test-pending",
+                         f"--comment=hpcrl,run={run.resolve()},component=rollout-1,epoch=1")
+        (run / "jobs" / "registry.json").write_text(json.dumps({"rollout-1": {"scheduler": "slurm",
+                                                                               "job_id": pending}}))
+        wait_for(lambda: components(run)["rollout-1"]["waiting_for"] is not None, proc, "the pending reason")
+        assert components(run)["rollout-1"]["state"] == "PENDING"
+        assert components(run)["rollout-1"]["waiting_for"] in ("Resources", "Priority"), components(run)
+        assert sorted(run_jobs(run)) == sorted([mine, pending])
         stop_run(proc, run)
         assert proc.poll() is not None and run_jobs(run) == []
         assert subprocess.run(["squeue", "-h", "-j", other, "-o", "%T"], capture_output=True, text=True,
                               timeout=30).stdout.strip() in ("PENDING", "RUNNING")  # not this run's: left alone
     finally:
         proc.kill()
-        subprocess.run(["scancel", holder, other, mine], capture_output=True, timeout=60)
+        subprocess.run(["scancel", *filter(None, [holder, other, mine, pending])], capture_output=True, timeout=60)

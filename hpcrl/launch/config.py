@@ -93,6 +93,9 @@ class LaunchConfig:
     scheduler: str = "local"
     mode: Literal["async", "colocated"] = "async"  # async: separate trainer and rollout processes; colocated: one process alternates
     progress_interval_s: float = 5.0  # seconds between progress lines on the terminal
+    # a component whose job has waited this long in the scheduler's queue is said on the terminal (again every 10
+    # minutes while it waits, and when it starts): the progress line alone stands still then
+    queue_note_s: float = 60.0
     shutdown_timeout_s: float = 30.0  # grace period for components to exit after the run ends
     preempt_grace_s: float = 120.0  # after SIGUSR2/SIGTERM to the supervisor: time for components to checkpoint and exit
     heartbeat_interval_s: float = 5.0  # how often each component process writes its heartbeat
@@ -113,6 +116,8 @@ class LaunchConfig:
         scheduler_spec(self.scheduler, key="scheduler")
         if self.progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s: must be > 0, got {self.progress_interval_s}")
+        if self.queue_note_s <= 0:
+            raise ValueError(f"queue_note_s: must be > 0, got {self.queue_note_s}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"shutdown_timeout_s: must be > 0, got {self.shutdown_timeout_s}")
         if self.preempt_grace_s <= 0:

@@ -51,6 +51,7 @@ from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.autoscale import last_assessment
 from hpcrl.launch.fleet import describe, request_scale, scale_requested, wanted_replicas
 from hpcrl.launch.registry import SLURM_JOBS, jobs_of
+from hpcrl.launch.slurm_state import QUEUED
 from hpcrl.launch.takeover import job_alive, kill_job, registry
 from hpcrl.metrics.writer import read_evals, read_metrics
 from hpcrl.runtime.heartbeat import read_heartbeats
@@ -115,26 +116,29 @@ def components(run_dir: Path) -> dict[str, dict]:
         alive = job_alive(run_dir, dict(rec))
         reach = "slurm" if jobs_of(rec) == SLURM_JOBS else \
             ("remote" if rec.get("host", socket.gethostname()) != socket.gethostname() else "local")
-        state = states.get(str(rec["job_id"]), "UNKNOWN") if reach == "slurm" else \
-            ("running" if alive else "ended") if reach == "local" else f"on {rec.get('host')} (not checked)"
+        state, why = states.get(str(rec["job_id"]), ("UNKNOWN", "")) if reach == "slurm" else \
+            ("running" if alive else "ended", "") if reach == "local" else (f"on {rec.get('host')} (not checked)", "")
         beat_name = f"{'trainer-r0' if name == 'trainer' else name}@{rec.get('instance', '')}"
         beat = beats.get(beat_name, {})
         job = str(rec["job_id"]) if not rec.get("allocation") else \
             f"{rec['allocation']}:{rec.get('step_name')} (srun pid {rec['job_id']})"  # a step of the allocation
         out[name] = {"job_id": job, "scheduler": rec.get("scheduler"), "host": rec.get("host"),
                      "epoch": rec.get("epoch"), "state": state, "alive": alive, "restarts": restarts.get(name, 0),
+                     # why a job waits in Slurm's queue (its pending reason: Resources, Priority, ...), else None
+                     "waiting_for": why if state in QUEUED and why not in ("", "None") else None,
                      "heartbeat_age_s": round(time.time() - beat["time"], 1) if "time" in beat else None,
                      "infra_errors": beat.get("infra_errors", 0)}  # a rollout's failed scorings (held, retried)
     return out
 
 
-def _slurm_states(job_ids: list[str]) -> dict[str, str]:
+def _slurm_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """Job id -> (state, reason) as Slurm reports them; {} where it cannot be asked."""
     if not job_ids:
         return {}
     from hpcrl.launch.slurm_state import read_states
 
     try:
-        return {j: s for j, (s, _) in read_states(job_ids).items()}
+        return read_states(job_ids)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not read the Slurm job states: %s", e)
         return {}
@@ -255,7 +259,8 @@ def format_status(st: dict) -> str:
         lines.append(f"{'component':<12} {'job':<10} {'state':<12} {'restarts':>8} {'heartbeat':>10}")
         for name, c in st["components"].items():
             beat = "-" if c["heartbeat_age_s"] is None else f"{c['heartbeat_age_s']:.0f}s ago"
-            lines.append(f"{name:<12} {c['job_id']:<10} {c['state']:<12} {c['restarts']:>8} {beat:>10}")
+            lines.append(f"{name:<12} {c['job_id']:<10} {c['state']:<12} {c['restarts']:>8} {beat:>10}"
+                         + (f"  waiting for: {c['waiting_for']}" if c.get("waiting_for") else ""))
     failed = {n: c["infra_errors"] for n, c in st["components"].items() if c.get("infra_errors")}
     if failed:
         lines.append("scorings that failed for the scorer's own reasons (infra_error; held and scored again, never "

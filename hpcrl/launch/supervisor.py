@@ -55,7 +55,7 @@ from hpcrl.plugins import resolve
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.launch.control import cancel_requested
 from hpcrl.launch.finalize import finalize
-from hpcrl.launch.progress import Progress
+from hpcrl.launch.progress import Progress, QueueWait
 from hpcrl.launch.autoscale import Autoscaler
 from hpcrl.launch.fleet import describe, plan, replica_of, scale_requested, wanted_replicas
 from hpcrl.runtime.heartbeat import read_heartbeats
@@ -252,6 +252,7 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
            preempt: PreemptionFlag | None = None) -> None:
     """Supervise until the trainer is done; the watchdog resubmits what dies or hangs."""
     progress = Progress(run_dir / "logs" / "metrics.jsonl", cfg.trainer.total_steps, cfg.launch.progress_interval_s)
+    waits = QueueWait(run_dir, after_s=cfg.launch.queue_note_s)
     watchdog, events = Watchdog(cfg.watchdog), run_dir / "jobs" / "events.jsonl"
     for name in jobs:
         watchdog.started(name)
@@ -287,12 +288,15 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         if not done and _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
             continue  # job set changed: poll again
         beats = read_heartbeats(run_dir)
+        queued = {n: c is None and scheduler.queued(jobs[n][0]) for n, c in codes.items()}
+        for name, code in codes.items():
+            waits.see(name, jobs[name][0], queued[name], ended=code is not None)
         for name, code in codes.items():
             if name in draining:
                 continue
             if code == 0 and (not _is_trainer(name) or None in trainer_codes or done):
                 continue  # a rank that finished first, a rollout that saw DONE, a finished trainer (eval goes on)
-            if code is None and scheduler.queued(jobs[name][0]):
+            if queued[name]:
                 watchdog.started(name)  # waiting for resources (or requeued): its heartbeat clock starts later
                 continue
             code = 1 if code == 0 else code  # every trainer rank exited 0 but nobody wrote DONE
