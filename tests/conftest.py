@@ -14,6 +14,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _slurm_jobs_cancelled(request):
+    """After each test on the Slurm cluster: cancel every job of a run under the test's ``tmp_path`` still in the
+    queue (the supervisor's comment names its run directory), whatever ended the test, so that one failure does
+    not hold the nodes the next test needs (tests/slurm_helpers.py). Runs after the test's own checks."""
+    slurm = request.node.get_closest_marker("slurm") is not None and "tmp_path" in request.fixturenames
+    base = request.getfixturevalue("tmp_path").resolve() if slurm else None  # set up first: torn down after this
+    yield
+    if base is None:
+        return
+    from slurm_helpers import cancel_commented
+
+    left = cancel_commented(f"run={base}/")
+    if left:
+        print(f"Slurm jobs of this test still listed after scancel: {left}", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def restarted_run(tmp_path_factory) -> Path:
     """A finished quickstart run of 30 steps whose trainer was SIGKILLed after step 8 and restarted by the

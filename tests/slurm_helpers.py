@@ -135,25 +135,42 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 180, log:
 
 def run_jobs(run: Path) -> list[str]:
     """The Slurm jobs (pending or running) whose comment names this run: what its supervisor submitted."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%k"], capture_output=True, text=True, timeout=30).stdout
-    mark = f"run={run.resolve()},"
-    return [ln.split("|", 1)[0] for ln in out.splitlines() if mark in ln]
+    return jobs_commented(f"run={run.resolve()},")
+
+
+def jobs_commented(mark: str) -> list[str]:
+    """The Slurm jobs (pending or running, one line per array task) whose comment contains ``mark``."""
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%k"], capture_output=True, text=True, timeout=30).stdout
+    return [ln.split("|", 1)[0] for ln in out.splitlines() if mark in ln.split("|", 1)[-1]]
+
+
+def cancel_commented(mark: str, timeout: float = 60) -> list[str]:
+    """Cancel every Slurm job whose comment contains ``mark`` until none is left (a job submitted meanwhile, or
+    an array task whose comment was set late, is cancelled on the next pass) or ``timeout`` seconds passed;
+    returns what is still listed. Never raises: it runs after a test, whose own failure must stay the one shown."""
+    deadline, jobs = time.time() + timeout, ["?"]
+    while jobs and time.time() < deadline:
+        try:
+            jobs = jobs_commented(mark)
+            if jobs:
+                subprocess.run(["scancel", *jobs], capture_output=True, timeout=30)
+                time.sleep(1)  # a cancelled job completes before Slurm lets go of it
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"cancelling the jobs of {mark}: {e}", file=sys.stderr)
+            time.sleep(1)
+    return jobs
 
 
 def stop_run(proc: subprocess.Popen, run: Path) -> None:
     """The end of a Slurm test: a supervisor that still runs (the test failed before the run ended) is killed and
     every job of its run cancelled, so that a failed test leaves nothing in the queue holding the nodes the next
-    test needs. A supervisor that already ended (or that the test stopped itself) leaves the jobs alone."""
+    test needs. A supervisor that already ended (or that the test stopped itself) leaves the jobs alone: the
+    ``slurm`` tests' teardown (tests/conftest.py) cancels whatever is left after the test."""
     if proc.poll() is not None:
         return
     proc.kill()
     proc.wait()
-    jobs, deadline = run_jobs(run), time.time() + 60
-    if jobs:
-        subprocess.run(["scancel", *jobs], capture_output=True, timeout=60)
-    while jobs and time.time() < deadline:  # until Slurm has let go of them (a cancelled job completes first)
-        time.sleep(1)
-        jobs = run_jobs(run)
+    cancel_commented(f"run={run.resolve()},")
 
 
 def wait_node_free(node: str, timeout: float = 120) -> None:

@@ -26,9 +26,9 @@ def test_a_job_waiting_in_the_queue_is_said_after_a_while_again_later_and_when_i
         clock.t = t
         said.append(waits.see("rollout-0", job, queued))
     assert said == [None, None,
-                    "rollout-0: job 7 has waited 61 s in the scheduler's queue (why: python -m hpcrl status /runs/r1)",
+                    "rollout-0: job 7 has waited 61 s in the scheduler's queue (see: python -m hpcrl status /runs/r1)",
                     None, None,
-                    "rollout-0: job 7 has waited 661 s in the scheduler's queue (why: python -m hpcrl status /runs/r1)",
+                    "rollout-0: job 7 has waited 661 s in the scheduler's queue (see: python -m hpcrl status /runs/r1)",
                     "rollout-0: job 7 started after 700 s in the queue", None]
     assert [r.getMessage() for r in caplog.records] == [s for s in said if s]
 
@@ -55,3 +55,33 @@ def test_a_short_wait_an_ended_job_and_a_resubmission_say_nothing_of_the_old_wai
     assert waits.see("rollout-0", "4", True) is None  # a new job while the old one was said: a new wait
     clock.t = 220
     assert waits.see("rollout-0", "4", False) is None  # never said, so its start is not said either
+
+
+def test_status_says_why_a_slurm_job_waits_in_the_queue(tmp_path, monkeypatch) -> None:
+    """``status``: a Slurm job pending (or requeued) carries its reason, shown after its row; a running one, a
+    pending one without a reason and a local process carry none."""
+    import json
+
+    from hpcrl.launch import control
+
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "registry.json").write_text(json.dumps({
+        "trainer": {"scheduler": "slurm", "job_id": "10"}, "rollout-0": {"scheduler": "slurm", "job_id": "11"},
+        "rollout-1": {"scheduler": "slurm", "job_id": "12"}, "rollout-2": {"scheduler": "slurm", "job_id": "13"},
+        "eval": {"scheduler": "local", "job_id": "99"}}))
+    states = {"10": ("RUNNING", "None"), "11": ("PENDING", "Resources"), "12": ("PENDING", "None"),
+              "13": ("REQUEUED", "BeginTime")}
+    monkeypatch.setattr(control, "_slurm_states", lambda ids: {j: states[j] for j in ids})
+    monkeypatch.setattr(control, "job_alive", lambda run_dir, rec: False)
+    comps = control.components(tmp_path)
+    assert {n: c["waiting_for"] for n, c in comps.items()} == \
+        {"trainer": None, "rollout-0": "Resources", "rollout-1": None, "rollout-2": "BeginTime", "eval": None}
+    keys = ("step", "total_steps", "version", "reward_mean", "accuracy", "accuracy_step", "staleness_max",
+            "staleness_mean_token", "samples_per_s", "elapsed_s", "metrics_age_s", "checkpoint",
+            "tickets_admitted", "tickets_dropped", "reissues_waiting")
+    st = {"name": "r", "run_dir": str(tmp_path), "state": "running", "cancel": None, "supervisor": {"state": "none"},
+          "progress": dict.fromkeys(keys, 0), "components": comps}
+    rows = {ln.split()[0]: ln for ln in control.format_status(st).splitlines()[5:]}
+    assert rows["rollout-0"].endswith("  waiting for: Resources") and "PENDING" in rows["rollout-0"], rows
+    assert rows["rollout-2"].endswith("  waiting for: BeginTime"), rows
+    assert not any("waiting for" in rows[n] for n in ("trainer", "rollout-1", "eval")), rows

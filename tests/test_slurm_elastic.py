@@ -72,7 +72,7 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
     wait_node_free("node1")  # the rollout needs all of node1: nothing an earlier test left may hold it
     cmd = submit_cmd(run, cache, f"trainer.total_steps={STEPS}", "eval.every_steps=0", "watchdog.backoff_s=0.5",
                      "watchdog.max_restarts=0", "watchdog.startup_grace_s=15", f"launch.rollout.partition={partition}",
-                     "launch.queue_note_s=10", *PLACED)
+                     "launch.queue_note_s=5", *PLACED)
     out = tmp_path / "submit.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out, "w"), env=job_env(), cwd=ROOT)
     high: list[str] = []
@@ -111,7 +111,7 @@ def test_rollout_on_preemptible_partition_is_preempted_by_slurm_and_the_run_comp
             in log, log[-3000:]
     # the rollout's wait for node1 (25 s, the high-priority job) said on the terminal, and its start
     said = (tmp_path / "submit.log").read_text()
-    assert "rollout-0: job " in said and " s in the scheduler's queue (why: python -m hpcrl status" in said, said[-3000:]
+    assert "rollout-0: job " in said and " s in the scheduler's queue (see: python -m hpcrl status" in said, said[-3000:]
     assert " s in the queue" in said.split("in the scheduler's queue")[-1], said[-3000:]
     rep = audit(run)
     assert rep.ok, rep.violations
@@ -256,7 +256,8 @@ def test_a_failing_wait_says_what_slurm_holds_and_a_failed_test_cancels_its_runs
     holder = sbatch("-p", "high", "-w", "node1", "-c", "4", "-J", "hpcrl-test-holder")
     other = sbatch("-J", "hpcrl-test-other", f"--comment=hpcrl,run={tmp_path / 'elsewhere'},component=x")
     mine = sbatch("-J", "hpcrl-test-mine", f"--comment=hpcrl,run={run.resolve()},component=rollout-0,epoch=1")
-    proc, pending = subprocess.Popen(["sleep", "120"]), ""
+    wait_node_free("node1")
+    proc, pending = subprocess.Popen(["sleep", "600"]), ""
     try:
         wait_for(lambda: subprocess.run(["squeue", "-h", "-j", holder, "-o", "%T"], capture_output=True,
                                         text=True, timeout=30).stdout.strip() == "RUNNING", proc, "the holder")

@@ -48,8 +48,9 @@ def _fmt(v, spec: str = "{:.3f}") -> str:
 class QueueWait:
     """What the supervisor says of a component whose job waits in the scheduler's queue (a Slurm job pending for
     its nodes, or requeued by a preemption): the progress line alone stands still then, and a user cannot tell a
-    queue from a hang. Once a job has waited ``after_s`` seconds it is said (with the command that shows Slurm's
-    reason), again every ``every_s`` while it waits, and once more when it leaves the queue.
+    queue from a hang. Once a job has waited ``after_s`` seconds it is said (with the command that shows its
+    state, and on Slurm why it waits), again every ``every_s`` while it waits, and once more when it leaves the
+    queue. The wait is counted from this supervisor's first look at the job queued.
 
     Lifecycle: one per supervisor; :meth:`see` on every pass for every component, with whether its job is queued
     now or ended; a component resubmitted as a new job starts a new wait."""
@@ -78,7 +79,7 @@ class QueueWait:
         if waited >= self.after and (said is None or now - said >= self.every):
             self._said[name] = now
             return self._say(f"{name}: job {job_id} has waited {waited:.0f} s in the scheduler's queue "
-                             f"(why: python -m hpcrl status {self.run_dir})")
+                             f"(see: python -m hpcrl status {self.run_dir})")
         return None
 
     @staticmethod

@@ -288,9 +288,7 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
         if not done and _rescale(cfg, run_dir, scheduler, jobs, codes, draining, watchdog, owner, events):
             continue  # job set changed: poll again
         beats = read_heartbeats(run_dir)
-        queued = {n: c is None and scheduler.queued(jobs[n][0]) for n, c in codes.items()}
-        for name, code in codes.items():
-            waits.see(name, jobs[name][0], queued[name], ended=code is not None)
+        queued = _queued(scheduler, jobs, codes, waits)
         for name, code in codes.items():
             if name in draining:
                 continue
@@ -309,6 +307,15 @@ def _watch(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, owne
     progress.maybe_print(force=True)
     _stop_rollouts(scheduler, jobs, cfg.launch.shutdown_timeout_s)
     finalize(run_dir, Fence(run_dir, owner.epoch))
+
+
+def _queued(scheduler: Scheduler, jobs: dict, codes: dict[str, int | None], waits: QueueWait) -> dict[str, bool]:
+    """Which components' jobs wait in the scheduler's queue now (not running, not ended); each one's wait is
+    noted, and said once it lasts (:class:`hpcrl.launch.progress.QueueWait`)."""
+    queued = {n: c is None and scheduler.queued(jobs[n][0]) for n, c in codes.items()}
+    for name, code in codes.items():
+        waits.see(name, jobs[name][0], queued[name], ended=code is not None)
+    return queued
 
 
 def _act(cfg: RunConfig, run_dir: Path, scheduler: Scheduler, jobs: dict, watchdog: Watchdog, name: str,
