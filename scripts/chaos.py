@@ -163,7 +163,7 @@ class Monitor(threading.Thread):
                     # a sweep of /proc takes time: a process read early may have exited before one read
                     # later was started. Those still running now were all running at once.
                     states = {p: _state(p) for p in pids}
-                    who = {p: _who(p, states[p]) for p in pids if states[p] not in ("Z", "gone")}
+                    who = {p: w for p in pids if states[p] not in ("Z", "gone") and (w := _who(p, states[p]))}
                     # a component's own child is part of it: a subprocess it starts shows its command line and
                     # environment until exec (its parent waits in state D meanwhile); one component = one instance
                     live = len({w.get("hpcrl_instance", p) for p, w in who.items() if w.get("ppid") not in who})
@@ -172,13 +172,17 @@ class Monitor(threading.Thread):
                 self.peak[role] = max(self.peak[role], live)
 
 
-def _who(pid: int, state: str) -> dict:
+def _who(pid: int, state: str) -> dict | None:
     """What tells two processes of one role apart: state, parent, the owner epoch and instance they were started
     with, and the Slurm job they run in. The parent comes from ``stat`` on its own: a child between ``vfork`` and
-    ``exec`` (its parent in state D) may refuse its ``environ`` and must still be seen as its parent's child."""
+    ``exec`` (its parent in state D) may refuse its ``environ`` and must still be seen as its parent's child.
+    None when the process is gone by now (its ``stat`` can no longer be read: a short-lived child that exited
+    since the sweep saw it was not running at the same time as the others)."""
     out: dict = {"state": state}
     try:
         out["ppid"] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     except (OSError, IndexError, ValueError):
         return out
     try:

@@ -60,3 +60,24 @@ def test_a_child_whose_environment_cannot_be_read_is_still_its_parents(monkeypat
     monkeypatch.setattr(Path, "read_bytes", refuse_environ)
     who = chaos._who(os.getpid(), "R")
     assert who == {"state": "R", "ppid": os.getppid()}
+
+
+def test_a_process_gone_between_two_reads_of_proc_is_not_counted(monkeypatch) -> None:
+    """The monitor reads a process's state, then its parent: a child that exits in between (seen running, its stat
+    gone a moment later) was not running beside the others, and is left out rather than counted as a second
+    instance of its role (CI once saw a trainer and such a child, its parent unread, as two trainers)."""
+    import os
+    from pathlib import Path
+
+    chaos = load_chaos()
+    read_text = Path.read_text
+
+    def gone(self, *args, **kwargs):
+        if self.name == "stat" and self.parent.name == str(os.getpid()):
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", gone)
+    assert chaos._who(os.getpid(), "R") is None
+    assert chaos._who(os.getppid(), "S")["ppid"] > 0  # another process is read as before
+
