@@ -11,7 +11,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.ckpt import store
 from hpcrl.trainer.export import to_hf  # noqa: F401  (python -m ckpt_tools to-hf)
 

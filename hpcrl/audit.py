@@ -14,6 +14,9 @@
   failed for the scorer's own reasons (``reward_status`` ``infra_error``:
   such a sample has no reward, and a 0 in its place would be a lie); the
   count of trained samples by reward status is reported;
+* no leftovers: temporaries that writers left (:mod:`hpcrl.launch.leftovers`)
+  are counted; once the run is closed, any left is a violation (the end of
+  the run removes them all);
 * evaluation (``eval.mode: component``, once the run is closed): every due
   version has a record in ``logs/eval.jsonl``, no snapshot was recorded
   twice, and none is left pending.
@@ -34,6 +37,7 @@ from typing import Callable
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.plugins import defer_plugins
 from hpcrl.config import load_saved
+from hpcrl.launch.leftovers import temporaries
 from hpcrl.spool.format import read_group
 from hpcrl.spool.store import Spool
 
@@ -48,6 +52,7 @@ class AuditReport:
     dropped: int = 0
     unfinished: int = 0  # admitted, neither trained nor dropped (in flight or waiting when the run stopped)
     evaluations: int = 0  # records in logs/eval.jsonl (eval.mode: component)
+    temporaries: int = 0  # files or directories writers left half-done
     reward_status: dict[str, int] = field(default_factory=dict)  # trained samples by the status of their reward
     violations: list[str] = field(default_factory=list)
 
@@ -105,6 +110,11 @@ def audit(run_dir: str | Path) -> AuditReport:
     if rep.unfinished and (run_dir / "jobs" / "finalized.json").exists():
         missing = sorted(admitted - set(trained) - dropped)[:10]
         rep.violations.append(f"{rep.unfinished} admitted tickets neither trained nor dropped, e.g. {missing}")
+    left = temporaries(run_dir)
+    rep.temporaries = len(left)
+    if left and (run_dir / "jobs" / "finalized.json").exists():
+        rep.violations.append(f"{len(left)} temporaries left after the run closed, e.g. "
+                              f"{[str(p.relative_to(run_dir)) for p in left[:5]]}")
     if cfg.eval.mode == "component":
         _audit_evaluations(run_dir, cfg, rep)
     return rep

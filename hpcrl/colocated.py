@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.trainer.checkpoint import Checkpointer
 from hpcrl.config import config_hash, load_saved
 from hpcrl.runtime.dist import init_from_env
 from hpcrl.runtime.heartbeat import Heartbeat
-from hpcrl.runtime.owner import Fence, exit_when_fenced
+from hpcrl.runtime.exits import component_exit
+from hpcrl.runtime.owner import Fence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepared import load_prepared
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def run(run_dir: Path) -> None:
-    with exit_when_fenced():
+    with component_exit():
         _run(run_dir)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.agent.config import AgentConfig
 from hpcrl.algo.config import AlgoConfig

@@ -47,7 +47,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.ckpt import store
 from hpcrl.config import RunConfig, config_hash
 from hpcrl.spool.format import parse_name

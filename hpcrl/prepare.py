@@ -18,7 +18,7 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.config import RunConfig
 from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.data.listops import write_listops_dataset

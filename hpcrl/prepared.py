@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.config import RunConfig
 from hpcrl.data.rows import Row, load_rows
 from hpcrl.model.hf_io import encode_prompt, unknown_characters

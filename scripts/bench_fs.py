@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcrl.admission import ledger as ledger_mod  # noqa: E402
 from hpcrl.admission.config import AdmissionConfig  # noqa: E402
 from hpcrl.admission.ledger import AdmissionLedger  # noqa: E402
-from hpcrl.atomic import write_json  # noqa: E402
+from hpcrl.fs.atomic import write_json  # noqa: E402
 from hpcrl.spool.format import Sample, TrajectoryGroup  # noqa: E402
 from hpcrl.spool.store import Spool  # noqa: E402
 from hpcrl.trainer.feed import BatchFeed  # noqa: E402

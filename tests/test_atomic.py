@@ -1,4 +1,4 @@
-"""hpcrl.atomic.rename_noreplace: one renameat2 where the filesystem has it, the portable way elsewhere."""
+"""hpcrl.fs.atomic.rename_noreplace: one renameat2 where the filesystem has it, the portable way elsewhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import hpcrl.atomic as atomic
+import hpcrl.fs.atomic as atomic
 
 
 def _paths(tmp_path: Path) -> tuple[Path, Path]:

@@ -283,8 +283,12 @@ def test_status_and_cancel_with_and_without_a_live_supervisor(tmp_path, cache) -
     assert st["progress"]["total_steps"] == steps and st["progress"]["checkpoint"] is None
     assert {n: c["state"] for n, c in st["components"].items()} == {"trainer-r0": "running", "rollout-0": "running"}
     assert st["progress"]["tickets_admitted"] >= 4 * st["progress"]["step"]
+    storage = st["storage"]
+    assert storage["footprint"]["spool"] > 0 and storage["footprint"]["weights"] > 0, storage
+    assert storage["filesystem"]["free_bytes"] > 0 and Path(storage["filesystem"]["mount"]).is_dir(), storage
     text = hpcrl_cli("status", str(run)).stdout
     assert "state: running" in text and "trainer-r0" in text and f"/{steps}" in text, text
+    assert f"filesystem {storage['filesystem']['mount']}: " in text and "run footprint" in text, text
 
     cancelled = hpcrl_cli("cancel", str(run))
     assert cancelled.returncode == 0, cancelled.stderr[-3000:]

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -307,3 +308,14 @@ def test_no_text_of_the_run_can_break_out_of_the_exported_script(run, tmp_path) 
     html = export_html(RunView(run), tmp_path / "r.html").read_text()
     data = html[html.index("window.HPCRL_EXPORT = "):html.index("</script>")]
     assert "<" not in data.split("=", 1)[1] and "\\u003c!--" in data
+
+
+def test_without_plotly_the_command_refuses_at_start_with_the_install_line(run) -> None:
+    """The base install has no plotly: the explorer says so and serves nothing (it once served a page whose every
+    chart stayed empty, 'Plotly is not defined')."""
+    code = ("import sys; sys.modules['plotly'] = None  # as if not installed\n"
+            "from hpcrl.explore.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(run), "--port", "0"], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "pip install -e '.[explore]'" in proc.stderr and "explorer for" not in proc.stderr, proc.stderr

@@ -12,7 +12,7 @@ def test_samples_are_sorted_by_what_they_did_and_the_waits_left_out() -> None:
     prof = load_script("profile_feed")
     lines = [
         f"{NEXT};BatchFeed._eligible (feed.py:266);BatchFeed.regenerate (feed.py:151);Spool.drop (store.py:380);"
-        "write_bytes (hpcrl/atomic.py:101) 7",
+        "write_bytes (hpcrl/fs/atomic.py:101) 7",
         f"{NEXT};BatchFeed._eligible (feed.py:266);BatchFeed.regenerate (feed.py:152);"
         "AdmissionLedger.reissue (ledger.py:195) 2",
         f"{NEXT};BatchFeed._take (feed.py:241);Spool.load (store.py:311);ReadAhead.read (readahead.py:165);"

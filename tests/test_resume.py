@@ -35,7 +35,7 @@ from hpcrl.config import load_config, load_saved, save
 from hpcrl.data.arithmetic import write_arithmetic_dataset
 from hpcrl.runtime.dist import free_port
 from hpcrl.prepared import Prepared, load_prepared
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.metrics.writer import read_metrics
 from hpcrl.model.tiny import TinyModelConfig, build_tiny_model
 from hpcrl.spool.format import Sample, TrajectoryGroup

@@ -551,7 +551,7 @@ def test_a_move_aside_keeps_its_reason_durable_and_its_directories_for_the_next_
                                                                                      monkeypatch) -> None:
     """The reason's content is fsynced before the data file moves; both names become durable at the next sync, the
     trainer's per-step cost staying renames only (a stale file set aside per step was three fsyncs)."""
-    import hpcrl.atomic as atomic
+    import hpcrl.fs.atomic as atomic
     import hpcrl.spool.store as store
 
     sp = Spool(tmp_path)

@@ -118,7 +118,7 @@ def test_no_part_imports_an_entry_point() -> None:
 
 def test_the_configuration_layer_imports_only_leaves() -> None:
     """Loading a config stays cheap and cannot pull a component in: besides other configs, it imports only
-    parts that import nothing of hpcrl (``hpcrl/atomic.py``)."""
+    parts that import nothing of hpcrl (``hpcrl/fs/atomic.py``)."""
     graph = part_graph()
     assert all(not graph.get(part) for part in graph.get("config", {})), graph.get("config")
 

@@ -61,7 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,26 +68,24 @@ from typing import Callable
 
 import numpy as np
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.runtime.owner import Fence, NoFence
+from hpcrl.fs.faults import guarded
 
 log = logging.getLogger(__name__)
 DROP_COUNT = "dropped.count"  # the number of drop records, for the bound (num_dropped)
+TMP_DIR = "tmp"  # records being written before they are linked into tickets/, reissue/, dropped/
 
 
 def create_exclusive(path: Path, record: dict) -> bool:
     """Create ``path`` holding ``record`` (+ time) unless it exists; True if this call created it.
 
-    ``O_CREAT | O_EXCL`` makes exactly one of any number of concurrent creators win.
+    Exactly one of any number of concurrent creators wins, and the record is whole before it appears
+    (:func:`hpcrl.fs.atomic.create_exclusive`: written and fsynced in the ledger's ``tmp/``, then linked).
     """
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(json.dumps({**record, "time": time.time()}).encode())
-    return True
+    data = json.dumps({**record, "time": time.time()}).encode()
+    return atomic.create_exclusive(path, data, path.parent.parent / TMP_DIR)
 
 
 def incarnation(writer: str, restarts: int) -> str:
@@ -121,7 +118,7 @@ class AdmissionLedger:
         self.tickets_dir = self.root / "tickets"
         self.dropped_dir = self.root / "dropped"
         self.reissue_dir = self.root / "reissue"
-        for d in (self.tickets_dir, self.dropped_dir, self.reissue_dir):
+        for d in (self.tickets_dir, self.dropped_dir, self.reissue_dir, self.root / TMP_DIR):
             d.mkdir(parents=True, exist_ok=True)
         self._cursor = 0
         self._drops: int | None = None  # drop records, as this process last counted them (record_drop)
@@ -325,10 +322,14 @@ class AdmissionLedger:
 
     def _write_drop_count(self) -> None:
         # atomic (rename over it), not fsynced: a count lost in a crash is recounted at the next start
-        tmp = self.root / f"{DROP_COUNT}{atomic.TMP_MARK}{socket.gethostname()}-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(str(self._drops))
-        os.replace(tmp, self.root / DROP_COUNT)
+        tmp = atomic.temporary_name(self.root / DROP_COUNT)
+        try:
+            with guarded("drop count write", tmp), open(tmp, "w") as f:
+                f.write(str(self._drops))
+            os.replace(tmp, self.root / DROP_COUNT)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def record_drop(self, index: int, reason: str) -> bool:
         """Record that ticket ``index`` will never be trained (idempotent); False (and nothing recorded)

@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 
 log = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step_(\d{6,})$")

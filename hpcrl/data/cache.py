@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from hpcrl.reward.registry import build_scorer
 from hpcrl.runtime.device import detect
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.logs import setup_logging
-from hpcrl.runtime.owner import Fence, exit_when_fenced
+from hpcrl.runtime.exits import component_exit
+from hpcrl.runtime.owner import Fence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class Evaluator:
 
 
 def run(run_dir: Path) -> None:
-    with exit_when_fenced():
+    with component_exit():
         _run(run_dir)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.metrics.config import MetricsConfig
 from hpcrl.metrics.writer import EVAL_LOG, MetricsWriter, read_metrics
 from hpcrl.runtime.owner import Fence, NoFence

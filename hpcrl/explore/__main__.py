@@ -5,7 +5,8 @@ Serves the run explorer (:mod:`hpcrl.explore.server`) until Ctrl-C, on
 $HPCRL_EXPLORE_TOKEN, else generated; --no-token on loopback only), and
 prints the URL that carries it. ``--export FILE`` writes one self-contained HTML file and
 exits. Reads the run directory only: it works on a live run and on a
-finished one. Exit codes: 0 done, 2 not a run directory or a bad option.
+finished one. Exit codes: 0 done, 2 not a run directory, a bad option, or no ``plotly``
+(the ``explore`` extra: the page draws with it; refused before anything is served).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hpcrl.explore.reader import RunView
+from hpcrl.explore.server import make_server, plotly_js, url_of
 from hpcrl.runtime.logs import setup_logging
 
 
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="groups of each spool kind (trained, dropped, ...) in the export (default 50)")
     args = parser.parse_args(argv)
     setup_logging("explore")
+    try:  # the page draws nothing without it: refuse before serving a page that would open empty
+        plotly_js()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         view = RunView(args.run_dir)
     except ValueError as e:
@@ -43,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         out = export_html(view, args.export, args.export_groups)
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
         return 0
-    from hpcrl.explore.server import make_server, url_of
     try:
         srv = make_server(view, args.host, args.port, "" if args.no_token else args.token)
     except ValueError as e:

@@ -111,8 +111,13 @@ class LaunchConfig:
     # --resume / a new owner: how long the previous owner's components get to stop by themselves (they see
     # the new owner epoch at their next check) before they are killed
     takeover_timeout_s: float = 60.0
+    # a component stopped by a storage fault (a full quota, an I/O error: exit 74) is restarted once the run
+    # directory's filesystem has this much free space again; the supervisor's own writes retry until then
+    min_free_gb: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.min_free_gb < 0:
+            raise ValueError(f"min_free_gb: must be >= 0, got {self.min_free_gb}")
         scheduler_spec(self.scheduler, key="scheduler")
         if self.progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s: must be > 0, got {self.progress_interval_s}")

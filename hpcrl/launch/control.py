@@ -9,7 +9,9 @@ host that sees the run directory, whichever scheduler started the run.
 supervisor (owner epoch, host, pid, last beat), every component (job, its
 state as the scheduler or ``/proc`` reports it, restarts, heartbeat age),
 the trainer's step and policy version, the newest committed checkpoint,
-the ledger's counts, staleness and throughput. ``--watch S`` redraws it
+the ledger's counts, staleness and throughput, and storage: the run
+directory's filesystem (free bytes and inodes) and the run's own footprint
+by area (:mod:`hpcrl.launch.footprint`). ``--watch S`` redraws it
 every S seconds; ``--json`` prints it as JSON.
 
 ``cancel`` stops a run cleanly and leaves it resumable:
@@ -45,11 +47,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.ckpt.store import committed
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.autoscale import last_assessment
 from hpcrl.launch.fleet import describe, request_scale, scale_requested, wanted_replicas
+from hpcrl.launch.footprint import format_storage, storage_status
 from hpcrl.launch.registry import SLURM_JOBS, jobs_of
 from hpcrl.launch.slurm_state import QUEUED
 from hpcrl.launch.takeover import job_alive, kill_job, registry
@@ -222,7 +225,8 @@ def run_status(run_dir: Path) -> dict:
              "request": scale_requested(run_dir), "autoscale": cfg.launch.autoscale.enabled,
              "assessment": last_assessment(run_dir)}
     return {"run_dir": str(run_dir), "name": cfg.name, "state": state, "cancel": cancel, "supervisor": sup,
-            "components": comps, "progress": progress(run_dir, cfg), "fleet": fleet}
+            "components": comps, "progress": progress(run_dir, cfg), "fleet": fleet,
+            "storage": storage_status(run_dir, cfg.launch.min_free_gb)}
 
 
 def format_status(st: dict) -> str:
@@ -265,6 +269,8 @@ def format_status(st: dict) -> str:
     if failed:
         lines.append("scorings that failed for the scorer's own reasons (infra_error; held and scored again, never "
                      "trained as 0): " + ", ".join(f"{n} {k}" for n, k in failed.items()))
+    if st.get("storage"):
+        lines.append(format_storage(st["storage"]))
     if st["cancel"]:
         lines.append(f"cancel requested by {st['cancel'].get('user')} on {st['cancel'].get('host')} at "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st['cancel'].get('time', 0)))}")

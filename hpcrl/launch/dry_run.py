@@ -32,7 +32,7 @@ from pathlib import Path
 from hpcrl.config import RunConfig
 from hpcrl.launch.registry import scheduler_spec
 from hpcrl.launch.scheduler import ComponentSpec
-from hpcrl.launch.supervisor import component_specs
+from hpcrl.launch.specs import component_specs
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.runtime.owner import Fence

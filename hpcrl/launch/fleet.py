@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 
 SCALE = "scale.json"  # in <run_dir>/jobs/
 _ROLLOUT = re.compile(r"^rollout-(\d+)$")

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import submitit
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.launch.config import ResourcesConfig
 from hpcrl.launch.scheduler import ComponentSpec, LocalScheduler, SubmitRejected, python_module
 from hpcrl.launch.slurm_job import RESULTS, RunCommand, append_note, step_codes

@@ -39,12 +39,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpcrl.atomic import TMP_MARK
 from hpcrl.config import RunConfig
+from hpcrl.launch.leftovers import remove_all
 from hpcrl.launch.registry import PROCESS_JOBS, SLURM_JOBS, jobs_of
 from hpcrl.runtime.owner import owner_record
-from hpcrl.eval.snapshots import Snapshots
-from hpcrl.spool.store import Spool
 
 log = logging.getLogger(__name__)
 _PF_KTHREAD = 0x00200000  # /proc/<pid>/stat flags: a kernel thread (never one of our jobs)
@@ -92,17 +90,13 @@ def take_over(cfg: RunConfig, run_dir: Path, epoch: int) -> bool:
 
 
 def clean_temporaries(run_dir: Path) -> dict[str, int]:
-    """Remove what writers that no longer run left half-done; only call it while no component runs."""
-    counts = {"spool": Spool(run_dir / "spool").clean_tmp(older_than_s=0), "weights": 0, "ckpt": 0,
-              "heartbeats": 0, "eval": Snapshots(run_dir / "eval" / "pending").clean_tmp()}
-    for sub, pattern in (("weights", f"v*{TMP_MARK}*"), ("ckpt", "step_*.tmp*")):
-        for p in (run_dir / sub).glob(pattern):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            counts[sub] += 1
+    """Remove what writers that no longer run left half-done (:func:`hpcrl.launch.leftovers.remove_all`) and
+    the heartbeats of earlier instances; only call it while no component runs."""
+    counts = dict(remove_all(run_dir))
     for p in (run_dir / "heartbeats").glob("*"):  # instances of earlier owners (each has its own file)
         p.unlink(missing_ok=True)
-        counts["heartbeats"] += 1
-    if any(counts.values()):
+        counts["heartbeats"] = counts.get("heartbeats", 0) + 1
+    if counts:
         log.info("removed what the previous owner's writers left: %s", counts)
     return counts
 

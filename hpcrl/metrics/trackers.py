@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.metrics.config import MetricsConfig
 from hpcrl.metrics.registry import tracker_spec
 from hpcrl.plugins import resolve

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hpcrl.fs.atomic import temporary_name
 from hpcrl.metrics.config import MetricsConfig
 from hpcrl.metrics.trackers import Tracker, TrackerContext, open_tracker
 
@@ -75,6 +76,8 @@ class MetricsWriter:
         for record in earlier:
             self._hand_over(record)
         self._file = open(self.log_dir / filename, "a")
+        if _torn(self.log_dir / filename):  # an earlier leg stopped mid-line (killed, a full filesystem)
+            self._file.write("\n")  # end it, so this leg's first record is not glued to it
 
     def _read_mark(self, name: str, earlier: list[dict[str, Any]]) -> dict[str, int]:
         path = self._marks[name]
@@ -124,7 +127,7 @@ class MetricsWriter:
         path.parent.mkdir(exist_ok=True)
         # renamed whole, not fsynced (one per step): a lost node may leave an older or empty mark, and the next
         # leg then hands a tracker some steps again; a killed process loses nothing
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = temporary_name(path)
         tmp.write_text(json.dumps(self._tracked[name]))
         os.replace(tmp, path)
 
@@ -138,6 +141,15 @@ class MetricsWriter:
                 continue
             if name not in self._failed:
                 self._mark(name)  # a buffering tracker holds everything once closed
+
+
+def _torn(path: Path) -> bool:
+    """Whether ``path`` ends inside a line."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _jsonable(v: Any) -> Any:

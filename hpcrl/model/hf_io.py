@@ -6,7 +6,7 @@ download attempt would hang a job until its time limit.
 
 Ordering rules:
 - ``save_model`` builds the folder under a temporary name and renames it into
-  place (``hpcrl.atomic.directory``), so a reader that sees the folder sees a
+  place (``hpcrl.fs.atomic.directory``), so a reader that sees the folder sees a
   complete model. The target must not exist: published models are immutable.
 - ``load_tokenizer`` prefers ``tokenizer.json`` through
   ``PreTrainedTokenizerFast`` because transformers 5.x ``AutoTokenizer`` may
@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 
 log = logging.getLogger(__name__)
 

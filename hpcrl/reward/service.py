@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.reward.config import RewardConfig
 from hpcrl.reward.scorer import Item, RewardResult, Scorer
 
@@ -191,9 +191,9 @@ class RewardService:
 
 
 def run(run_dir: Path) -> None:
-    from hpcrl.runtime.owner import exit_when_fenced
+    from hpcrl.runtime.exits import component_exit
 
-    with exit_when_fenced():
+    with component_exit():
         _run(run_dir)
 
 

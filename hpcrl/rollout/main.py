@@ -35,14 +35,15 @@ from typing import Callable
 
 import torch
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.admission.ledger import AdmissionLedger, incarnation
 from hpcrl.config import RunConfig, load_saved
 from hpcrl.launch.fleet import fleet_size
 from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.cputime import since, thread_cpu_s
-from hpcrl.runtime.owner import Fence, NoFence, exit_when_fenced
+from hpcrl.runtime.exits import component_exit
+from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.prepared import Prepared, load_datasets, load_prepared
@@ -100,7 +101,7 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
 
 
 def run(run_dir: Path, replica: int) -> None:
-    with exit_when_fenced():
+    with component_exit():
         _run(run_dir, replica)
 
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 
 
 class Heartbeat:

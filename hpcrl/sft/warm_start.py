@@ -41,7 +41,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hpcrl.sft.config import SFTConfig  # noqa: F401 (re-exported)
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.data.rows import Row
 from hpcrl.eval.accuracy import greedy_accuracy
 from hpcrl.model.hf_io import encode_prompt, load_model, load_tokenizer, save_model

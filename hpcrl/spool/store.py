@@ -2,7 +2,7 @@
 
 Layout under ``root`` (``<run_dir>/spool``)::
 
-    tmp/                    files being written (``<name>.tmp.<pid>``); never read
+    tmp/                    files being written (``<name>.tmp.<instance>.<pid>``); never read
     ready/                  published, waiting for a trainer
     claimed/                taken by the trainer, not yet committed by a checkpoint
     trained/step_XXXXXX/    trained at that optimizer step (committed)
@@ -36,7 +36,7 @@ on their own.
 
 Ordering rules: every move is one ``rename`` on the same filesystem, hence
 atomic (``renameat2`` with ``RENAME_NOREPLACE`` where the filesystem has it,
-:func:`hpcrl.atomic.rename_noreplace`); a reason file is written (atomically) *before* its data file is moved,
+:func:`hpcrl.fs.atomic.rename_noreplace`); a reason file is written (atomically) *before* its data file is moved,
 so a dropped or quarantined file always has its reason. Moves never overwrite:
 into ready/, claimed/ or trained/ a name collision means a ticket was produced
 twice, which is a bug, and raises ``FileExistsError``; in dropped/ and
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.atomic import TMP_MARK, fsync_dir, read_json, rename_noreplace, write_json
+from hpcrl.fs.atomic import TMP_MARK, fsync_dir, read_json, rename_noreplace, temporary_name, write_json
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.spool.format import (
     SpoolFormatError,
@@ -142,7 +142,7 @@ class Spool:
         name = file_name(group)
         data, view = encode_group_read(group) if self.on_publish is not None else (encode_group(group), None)
         final = self.ready_dir / name
-        tmp = self.tmp_dir / f"{name}{TMP_MARK}{os.getpid()}"
+        tmp = temporary_name(self.tmp_dir / name)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.ckpt import store
 from hpcrl.ckpt.config import CheckpointConfig
 from hpcrl.runtime.dist import DistContext
@@ -84,6 +84,7 @@ class Checkpointer:
         self.fence = fence or NoFence()
         self.root.mkdir(parents=True, exist_ok=True)
         self._last_save = time.monotonic()
+        self._swept = False  # the first save removes what earlier trainers left under construction
 
     def has(self, step: int) -> bool:
         """Whether a committed checkpoint of ``step`` exists already."""
@@ -104,11 +105,18 @@ class Checkpointer:
         t0 = time.time()
         tmp, final = self.root / f"step_{step:06d}.tmp", store.step_dir(self.root, step)
         if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for old in [tmp] + ([] if self._swept else list(self.root.glob("step_*.tmp"))):
+                shutil.rmtree(old, ignore_errors=True)  # this trainer group is the run's only one
+            self._swept = True
             tmp.mkdir(parents=True)
         self._barrier()
-        dcp.save(engine.checkpoint_state(), checkpoint_id=str(tmp))
-        atomic.write_json(tmp / f"rng-r{self.ctx.rank}.json", rng_state())
+        try:
+            dcp.save(engine.checkpoint_state(), checkpoint_id=str(tmp))
+            atomic.write_json(tmp / f"rng-r{self.ctx.rank}.json", rng_state())
+        except BaseException:  # e.g. a full filesystem: never leave the half-written checkpoint's space taken
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._barrier()
         if self.ctx.is_main:
             atomic.write_json(tmp / "trainer.json", {

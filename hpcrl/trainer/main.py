@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.admission.ledger import AdmissionLedger
 from hpcrl.trainer.reconcile import reconcile
 from hpcrl.trainer.checkpoint import Checkpointer
@@ -49,7 +49,8 @@ from hpcrl.runtime.dist import DistContext, init_from_env
 from hpcrl.runtime.device import of as device_of
 from hpcrl.runtime.heartbeat import Heartbeat, beating
 from hpcrl.runtime.logs import setup_logging
-from hpcrl.runtime.owner import Fence, Fenced, NoFence, exit_when_fenced
+from hpcrl.runtime.exits import component_exit
+from hpcrl.runtime.owner import Fence, Fenced, NoFence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
 from hpcrl.eval.measure import held_out
 from hpcrl.prepared import Prepared, load_datasets, load_prepared
@@ -229,7 +230,7 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
 
 
 def run(run_dir: Path) -> None:
-    with exit_when_fenced():
+    with component_exit():
         _run(run_dir)
 
 

@@ -9,7 +9,9 @@ tick and acts on the :class:`Decision`:
   CANCELLED / TIMEOUT / NODE_FAIL), asked to be requeued (exit 75 after a
   preemption signal: free of charge), or is hung (stale heartbeat: the
   supervisor cancels it first) — and the component still has restart budget;
-  ``delay_s`` is the back-off before resubmitting;
+  ``delay_s`` is the back-off before resubmitting; a component that stopped on
+  a storage fault (exit 74, :mod:`hpcrl.fs.faults`) is restarted free of charge
+  with ``storage`` set: the supervisor waits for the filesystem to have room;
 * ``fail``: the budget is spent; the supervisor stops the run.
 
 Every decision other than ``ok`` carries a human-readable reason, which the
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from hpcrl.runtime.preempt import EXIT_REQUEUE
+from hpcrl.fs.faults import EXIT_STORAGE
 from hpcrl.watchdog.config import WatchdogConfig
 
 
@@ -36,6 +39,7 @@ class Decision:
     reason: str = ""
     delay_s: float = 0.0
     hung: bool = False  # the process may still be alive: cancel it before resubmitting
+    storage: bool = False  # it stopped on a storage fault: resubmit once the run directory's filesystem has room
 
 
 @dataclass
@@ -43,6 +47,7 @@ class _State:
     started: float
     restarts: int = 0
     free_restarts: int = 0
+    storage_stops: int = 0
     history: list[str] = field(default_factory=list)
 
 
@@ -68,6 +73,12 @@ class Watchdog:
         if exit_code == EXIT_REQUEUE:
             state.free_restarts += 1
             return Decision("restart", f"{name} stopped for preemption/requeue (exit {exit_code})", 0.0)
+        if exit_code == EXIT_STORAGE:  # not its fault: free of charge, but backed off while the fault lasts
+            delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * (2 ** min(state.storage_stops, 16)))
+            state.storage_stops += 1
+            return Decision("restart", f"{name} stopped on a storage fault (exit {exit_code}); restarting it once "
+                                       f"the run directory's filesystem has room (free of charge, {delay:.1f}s "
+                                       "back-off)", delay, storage=True)
         return self._restart(name, state, f"{name} exited with code {exit_code}")
 
     def _hung(self, state: _State, heartbeat_time: float | None) -> str | None:

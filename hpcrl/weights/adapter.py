@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.model.lora import ADAPTER, merged_weight
 
 ADAPTER_FILE = "adapter_model.safetensors"

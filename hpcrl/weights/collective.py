@@ -44,7 +44,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights.config import WeightsConfig
 from hpcrl.weights.buckets import Layout, TransferStats, broadcast, new_group, pick_backend  # noqa: F401 (re-exported)

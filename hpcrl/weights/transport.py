@@ -34,7 +34,7 @@ from typing import Any, Literal, Mapping, Protocol
 import torch
 from safetensors.torch import save_file
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.weights import adapter
 from hpcrl.plugins import resolve

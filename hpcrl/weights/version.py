@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpcrl import atomic
+from hpcrl.fs import atomic
 from hpcrl.weights import adapter
 from hpcrl.weights.config import WEIGHTS_FILE  # noqa: F401 (re-exported)
 

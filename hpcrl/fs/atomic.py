@@ -1,10 +1,17 @@
 """Atomic publication of files and directories on a shared filesystem.
 
-Every file another process reads is written as ``<name>.tmp.<pid>``, flushed,
+Every file another process reads is written as ``<name>.tmp.<writer>``, flushed,
 fsynced and then ``os.replace``d onto its final name, so readers that list
 only final names never see a partial file. Directories are built under
-``<name>.tmp.<pid>/`` and renamed as a whole. No ``flock``: this must hold on
-NFS and Lustre.
+``<name>.tmp.<writer>/`` and renamed as a whole. Records created exclusively
+(:func:`create_exclusive`) are written and fsynced under a temporary name and
+hard-linked into place. No ``flock``: this must hold on NFS and Lustre.
+
+``<writer>`` is ``<instance>.<pid>`` in a component (its job instance,
+``HPCRL_INSTANCE``), ``<pid>`` elsewhere, so the supervisor can tell whose a
+leftover is and sweep those of dead writers (:func:`temporary_writer`).
+A write that fails removes its temporary and raises a storage fault as
+:class:`hpcrl.fs.faults.StorageError` (path, operation, filesystem).
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
+from hpcrl.fs.faults import guarded
+
 TMP_MARK = ".tmp."
+ENV_INSTANCE = "HPCRL_INSTANCE"  # hpcrl.runtime.owner sets it for every component
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 try:  # Linux (glibc >= 2.28): a rename that refuses an existing target in one call
@@ -72,8 +82,20 @@ def is_temporary(name: str) -> bool:
     return TMP_MARK in name
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
+def temporary_name(path: str | os.PathLike) -> Path:
+    """The name this process writes ``path`` under before publishing it: ``<name>.tmp.[<instance>.]<pid>``."""
+    path = Path(path)
+    instance = os.environ.get(ENV_INSTANCE, "")
+    return path.with_name(f"{path.name}{TMP_MARK}{instance + '.' if instance else ''}{os.getpid()}")
+
+
+def temporary_writer(name: str) -> str | None:
+    """The job instance that wrote the temporary ``name`` (None: not a temporary, or written outside a
+    component)."""
+    if TMP_MARK not in name:
+        return None
+    parts = name.rsplit(TMP_MARK, 1)[1].split(".")
+    return parts[0] if len(parts) == 2 and parts[1].isdigit() else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -94,14 +116,45 @@ def write_bytes(path: str | os.PathLike, data: bytes, sync_dir: bool = True) -> 
     """Atomically replace ``path`` with ``data`` (its content fsynced before the rename; the rename made durable
     too unless ``sync_dir`` is False: a caller that fsyncs the directory later itself)."""
     path = Path(path)
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
+    tmp = temporary_name(path)
+    try:
+        with guarded("write", path):
+            _write_synced(tmp, data)
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if sync_dir:
-        fsync_dir(path.parent)
+
+
+def create_exclusive(path: str | os.PathLike, data: bytes, tmp_dir: str | os.PathLike) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; True if this call created it.
+
+    The data is written and fsynced under a temporary name in ``tmp_dir`` (same filesystem, a directory no
+    reader lists) and hard-linked onto ``path``: the link fails if ``path`` exists, so exactly one of any number
+    of concurrent creators wins (as ``O_CREAT | O_EXCL`` would), and a full filesystem fails the write before
+    anything appears under ``path``: no reader ever sees an empty or partial record.
+    """
+    path = Path(path)
+    tmp = temporary_name(Path(tmp_dir) / path.name)
+    try:
+        with guarded("exclusive create", path):
+            _write_synced(tmp, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # NFS: a retransmitted link that succeeded the first time says EEXIST too
+                return os.stat(tmp).st_nlink > 1
+            return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_text(path: str | os.PathLike, text: str, sync_dir: bool = True) -> None:
@@ -124,12 +177,13 @@ def temporary_path(path: str | os.PathLike) -> Iterator[Path]:
     publishes it. On error the temporary file is removed.
     """
     path = Path(path)
-    tmp = _tmp_name(path)
+    tmp = temporary_name(path)
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with guarded("write", path):
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         if tmp.exists():
@@ -143,18 +197,20 @@ def directory(path: str | os.PathLike) -> Iterator[Path]:
     ``path`` must not exist yet (published directories are immutable).
     """
     path = Path(path)
-    tmp = _tmp_name(path)
+    tmp = temporary_name(path)
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     try:
+        with guarded("directory creation", path):
+            tmp.mkdir(parents=True)
         yield tmp
-        for child in tmp.iterdir():
-            if child.is_file():
-                with open(child, "rb") as f:
-                    os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, path)
+        with guarded("directory write", path):
+            for child in tmp.iterdir():
+                if child.is_file():
+                    with open(child, "rb") as f:
+                        os.fsync(f.fileno())
+            fsync_dir(tmp)
+            os.rename(tmp, path)
         fsync_dir(path.parent)
     finally:
         if tmp.exists():
