@@ -25,6 +25,7 @@ from hpcrl.trainer.checkpoint import Checkpointer
 from hpcrl.config import config_hash, load_saved
 from hpcrl.runtime.dist import init_from_env
 from hpcrl.runtime.heartbeat import Heartbeat
+from hpcrl.fs.space import SpaceFloor
 from hpcrl.runtime.exits import component_exit
 from hpcrl.runtime.owner import Fence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted
@@ -76,7 +77,8 @@ def _run(run_dir: Path) -> None:
         news, seen[0] = published - seen[0], published
         return news  # the feed looks at the spool once enough arrived to complete its batch
 
-    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence,
+                                SpaceFloor(run_dir, int(cfg.launch.min_free_gb * 1e9), "checkpointing"))
     try:
         start = resume(cfg, ctx, engine, checkpointer, feed, reporter,
                        DiskWeights(run_dir / "weights", cfg.weights, fence), fence)

@@ -107,5 +107,5 @@ def test_every_measured_row_names_the_file_that_holds_its_numbers() -> None:
     rows = measured_rows()
     assert len(rows) >= 15, rows
     unbacked = [row[0][:60] for row in rows
-                if not re.search(r"`bench/[\w.-]+`", row[1]) and not row[-1].startswith("`pytest ")]
+                if not re.search(r"`bench/[\w./-]+`", row[1]) and not row[-1].startswith("`pytest ")]
     assert not unbacked, "rows whose numbers no bench/ file holds:\n" + "\n".join(unbacked)

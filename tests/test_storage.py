@@ -171,6 +171,9 @@ def test_the_watchdog_restarts_a_storage_stop_free_of_charge_with_a_growing_back
         assert d.action == "restart" and d.storage and "storage fault" in d.reason
         delays.append(d.delay_s)
     assert delays == [1.0, 2.0, 4.0, 8.0, 8.0]
+    dog.started("rollout-0")
+    now[0] += 8.0  # ran as long as the longest back-off: a later stop is a new fault
+    assert dog.assess("rollout-0", EXIT_STORAGE, None).delay_s == 1.0
     crash = dog.assess("rollout-0", 1, None)
     assert crash.action == "fail" and not crash.storage, "the budget (0) was never charged by the storage stops"
 
@@ -255,11 +258,13 @@ def test_status_gives_the_filesystem_and_the_runs_footprint_by_area(tmp_path: Pa
     _touch(run / "weights" / "v000002.tmp.e1n2.7", directory=True)  # 100 bytes, a temporary
     (run / "config.yaml").write_text("x" * 10)
     st = storage_status(run, min_free_gb=0.0)
-    assert st["footprint"] == {"spool": 3000, "weights": 100, "ckpt": 0, "logs": 0, "admission": 0, "eval": 0,
-                               "other": 10}
+    block = os.stat(run / "config.yaml").st_blocks * 512  # what one small file takes on this filesystem
+    assert st["footprint"] == {"spool": os.stat(run / "spool/trained/step_000001/g.h5").st_blocks * 512,
+                               "weights": block, "ckpt": 0, "logs": 0, "admission": 0, "eval": 0, "other": block}
+    assert st["footprint"]["spool"] >= 3000 and block >= 10, "allocated blocks, what a quota counts"
     assert st["temporaries"] == 1 and st["filesystem"]["mount"] == filesystem(run).mount
     text = format_storage(st)
-    assert "run footprint 3.1 KB: spool 3.0 KB, weights 100 B, other 10 B; 1 temporaries" in text, text
+    assert "run footprint" in text and "spool" in text and "weights" in text and "; 1 temporaries" in text, text
     assert "BELOW" not in text
     assert "BELOW launch.min_free_gb" in format_storage(storage_status(run, min_free_gb=1e9))
 
@@ -276,3 +281,72 @@ def test_a_component_stop_is_said_as_a_fault_only_while_there_is_no_room(tmp_pat
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert said[0][0] == logging.ERROR and "trainer-r0 stopped on it (exit 74)" in said[0][1]
     assert "free of" in said[0][1] and said[1] == (logging.INFO, "storage fault: rollout-0 stopped on it (exit 74) too")
+
+
+def test_a_component_stop_and_the_supervisors_own_write_on_one_filesystem_are_one_fault(tmp_path: Path,
+                                                                                       caplog) -> None:
+    wait = StorageWait(tmp_path, min_free_bytes=10 ** 18, sleep=lambda s: None)
+    with caplog.at_level(logging.INFO):
+        wait.stopped(["rollout-0"])
+        wait.fault(full(str(tmp_path / "admission" / "reissue" / "t1")), "reissuing rollout-0's tickets")
+        wait.fault(OSError(errno.EIO, "Input/output error", str(tmp_path / "x")), "recording the jobs")
+    assert [r.levelno for r in caplog.records].count(logging.ERROR) == 1 and wait.faults == 1
+
+
+def test_an_event_log_cut_mid_line_keeps_every_later_record(tmp_path: Path) -> None:
+    log_path = tmp_path / "events.jsonl"
+    log_path.write_text('{"action": "start"}\n{"action": "resta')  # a full filesystem cut this append
+    atomic.append_line(log_path, '{"action": "restart"}')
+    atomic.append_line(log_path, '{"action": "stop"}')
+    assert log_path.read_text().splitlines()[1:] == ['{"action": "resta', '{"action": "restart"}', '{"action": "stop"}']
+
+
+def test_below_the_floor_admission_pauses_and_a_periodic_checkpoint_is_held_off(tmp_path: Path, caplog) -> None:
+    import torch
+
+    from hpcrl.admission.config import AdmissionConfig
+    from hpcrl.admission.ledger import AdmissionLedger
+    from hpcrl.ckpt.config import CheckpointConfig
+    from hpcrl.fs.space import SpaceFloor
+    from hpcrl.runtime.dist import DistContext
+    from hpcrl.trainer.checkpoint import Checkpointer
+
+    now = [0.0]
+    floor = SpaceFloor(tmp_path, 10 ** 18, "admission", every_s=2.0, clock=lambda: now[0])
+    ledger = AdmissionLedger(tmp_path / "admission", AdmissionConfig(batch_size=2), num_rows=10, floor=floor)
+    with caplog.at_level(logging.WARNING):
+        assert ledger.try_admit(0, "r0") is None and ledger.num_created() == 0
+        assert ledger.try_admit(0, "r0") is None
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["admission held off"], "said once"
+    floor.min_free_bytes = 1  # space came back
+    assert ledger.try_admit(0, "r0") is None, "the floor's answer holds for every_s"
+    now[0] += 2.0
+    assert ledger.try_admit(0, "r0").index == 0
+    assert "admission resumed" in caplog.records[-1].getMessage()
+
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=5), ctx, "h",
+                        floor=SpaceFloor(tmp_path, 10 ** 18, "checkpointing"))
+    assert not ckpt.due(5, last_step=10), "no room: the periodic one waits for the next due step"
+    assert ckpt.due(10, last_step=10), "the run's last checkpoint is never held off"
+    ckpt.floor = SpaceFloor(tmp_path, 0, "checkpointing")
+    assert ckpt.due(5, last_step=10)
+
+
+def test_a_batch_that_does_not_come_while_below_the_floor_is_a_storage_fault_not_a_dead_rollout(tmp_path) -> None:
+    from hpcrl.admission.config import AdmissionConfig
+    from hpcrl.admission.ledger import AdmissionLedger
+    from hpcrl.fs.space import SpaceFloor
+    from hpcrl.spool.store import Spool
+    from hpcrl.trainer.feed import BatchFeed, BatchTimeout
+
+    def feed(min_free: int) -> BatchFeed:
+        ledger = AdmissionLedger(tmp_path / f"admission{min_free}", AdmissionConfig(batch_size=2), num_rows=10,
+                                 floor=SpaceFloor(tmp_path, min_free, "space"))
+        return BatchFeed(Spool(tmp_path / f"spool{min_free}"), ledger, 2, 1, timeout_s=0.1)
+
+    with pytest.raises(StorageError) as info:
+        feed(10 ** 18).next_batch(0)
+    assert info.value.errno == errno.ENOSPC and "launch.min_free_gb" in str(info.value)
+    with pytest.raises(BatchTimeout):
+        feed(1).next_batch(0)

@@ -4,7 +4,7 @@ Lifecycle and ordering rules (design.md §3.2):
 
 * A rollout process asks :meth:`AdmissionLedger.try_admit` for the next
   ticket, passing the policy version of the weights it generates with. Ticket
-  ``n`` is the file ``tickets/t<n>`` created with ``O_CREAT | O_EXCL``, so
+  ``n`` is the file ``tickets/t<n>``, created exclusively (:func:`create_exclusive`), so
   any number of rollout processes on any number of nodes share one counter
   without locks, and tickets are contiguous from 0.
 * The bound: a ticket, new or reissued, is handed out only while
@@ -37,6 +37,8 @@ Lifecycle and ordering rules (design.md §3.2):
   latest taker of its reissue) changes its outcome: the trainer records a
   drop or a reissue for a file only when the file's writer holds the ticket
   and the ticket has no outcome yet (``hpcrl.trainer.feed``).
+* A rollout's ledger has a space floor (``launch.min_free_gb``,
+  :class:`hpcrl.fs.space.SpaceFloor`): below it ``try_admit`` starts nothing.
 * Every state-changing call checks the ownership fence first
   (:class:`hpcrl.runtime.owner.Fence`): a component of a replaced owner
   cannot change the ledger. Records carry the writer's owner epoch.
@@ -72,6 +74,7 @@ from hpcrl.fs import atomic
 from hpcrl.admission.config import AdmissionConfig
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.fs.faults import guarded
+from hpcrl.fs.space import SpaceFloor
 
 log = logging.getLogger(__name__)
 DROP_COUNT = "dropped.count"  # the number of drop records, for the bound (num_dropped)
@@ -108,7 +111,7 @@ class Ticket:
 
 class AdmissionLedger:
     def __init__(self, root: str | Path, cfg: AdmissionConfig, num_rows: int, seed: int = 0,
-                 fence: Fence | NoFence | None = None) -> None:
+                 fence: Fence | NoFence | None = None, floor: SpaceFloor | None = None) -> None:
         if num_rows < 1:
             raise ValueError("num_rows: the training dataset is empty")
         self.root = Path(root)
@@ -126,6 +129,7 @@ class AdmissionLedger:
         self._refused: tuple[int, float] | None = None  # (version, monotonic time) of the last refusal at the bound
         self._perms: dict[int, np.ndarray] = {}
         self.fence = fence or NoFence()
+        self.floor = floor  # below it no new group is started (a rollout's ledger; launch.min_free_gb)
         meta = self.root / "meta.json"
         self.offset = 0  # a run started from another run's data position (``init.restore: [data]``)
         if meta.exists():
@@ -170,6 +174,8 @@ class AdmissionLedger:
                 time.monotonic() - self._refused[1] < self.cfg.recheck_s:
             return None  # refused at this version a moment ago: the filesystem is not asked again yet
         self.fence.check("admission")
+        if self.floor is not None and not self.floor.ok():
+            return None  # the run directory's filesystem is below launch.min_free_gb: nothing new is started
         pending = self.pending_reissues()  # listed once: for the bound and for taking one
         limit = self.limit(version, pending)
         if self.num_created() >= limit:

@@ -165,6 +165,25 @@ def write_json(path: str | os.PathLike, obj: Any, sync_dir: bool = True) -> None
     write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n", sync_dir)
 
 
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one record (a newline is added) to a log that readers take line by line, such as
+    ``jobs/events.jsonl``. A line an earlier append left torn (a full filesystem, a kill) is ended first, so
+    this record is never glued to it and lost with it; the torn line itself stays unreadable."""
+    path = Path(path)
+    data = line.rstrip("\n").encode() + b"\n"
+    with guarded("append", path):
+        with open(path, "ab") as f:
+            if f.tell() > 0 and _last_byte(path) != b"\n":
+                data = b"\n" + data
+            f.write(data)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
 

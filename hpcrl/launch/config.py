@@ -111,8 +111,8 @@ class LaunchConfig:
     # --resume / a new owner: how long the previous owner's components get to stop by themselves (they see
     # the new owner epoch at their next check) before they are killed
     takeover_timeout_s: float = 60.0
-    # a component stopped by a storage fault (a full quota, an I/O error: exit 74) is restarted once the run
-    # directory's filesystem has this much free space again; the supervisor's own writes retry until then
+    # the run directory's floor of free space: below it rollouts start no new prompt group, a periodic checkpoint
+    # without room for it is held off, and a component stopped by a storage fault (exit 74) waits to be restarted
     min_free_gb: float = 1.0
 
     def __post_init__(self) -> None:

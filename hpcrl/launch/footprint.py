@@ -15,7 +15,8 @@ AREAS = ("spool", "weights", "ckpt", "logs", "admission", "eval")
 
 
 def _size(path: Path) -> int:
-    """Bytes of the files under ``path`` (files that vanish while walking are skipped)."""
+    """Bytes the files under ``path`` take on disk (allocated blocks: a 100-byte ledger record takes a whole
+    block; files that vanish while walking are skipped)."""
     total, todo = 0, [path]
     while todo:
         try:
@@ -27,7 +28,7 @@ def _size(path: Path) -> int:
                 if e.is_dir(follow_symlinks=False):
                     todo.append(Path(e.path))
                 else:
-                    total += e.stat(follow_symlinks=False).st_size
+                    total += e.stat(follow_symlinks=False).st_blocks * 512  # what a quota counts
             except FileNotFoundError:
                 continue
     return total
@@ -51,7 +52,8 @@ def format_storage(st: dict) -> str:
     where = "filesystem: statvfs does not answer" if fs is None else (
         f"filesystem {fs['mount']}: {human_bytes(fs['free_bytes'])} free of {human_bytes(fs['total_bytes'])}"
         f", {fs['free_inodes']:,} inodes free"
-        + ("  BELOW launch.min_free_gb: components stopped by a storage fault wait"
+        + ("  BELOW launch.min_free_gb: no new prompt group starts, periodic checkpoints and components stopped by "
+           "a storage fault wait"
            if fs["free_bytes"] < st["min_free_bytes"] else ""))
     parts = ", ".join(f"{a} {human_bytes(n)}" for a, n in sizes.items() if n)
     return f"{where}\nrun footprint {human_bytes(sum(sizes.values()))}: {parts}" + \

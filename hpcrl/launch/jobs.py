@@ -81,11 +81,11 @@ def event(path: Path, name: str, job_id: str, decision: Decision) -> None:
     """Append the decision to ``jobs/events.jsonl``; on a storage fault the line is left out (the log has it):
     the record of a decision must not stop the supervisor from carrying it out."""
     line = json.dumps({"time": time.time(), "component": name, "job_id": job_id, "action": decision.action,
-                       "reason": decision.reason}) + "\n"
+                       "reason": decision.reason})
     try:
-        with open(path, "a") as f:
-            f.write(line)
+        atomic.append_line(path, line)
     except OSError as e:
         if storage_fault(e) is None:
             raise
-        log.warning("event not recorded in %s (%s): %s", path, as_storage_error(e, "event append"), line.strip())
+        log.warning("event not recorded in %s (%s): %s", path, as_storage_error(e, "event append", path),
+                    line)

@@ -40,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.ckpt.store import latest_valid, request_rewind, verify
+from hpcrl.fs import atomic
 from hpcrl.config import ConfigError, RunConfig, load_config, load_saved, save
 from hpcrl.launch.control import CANCEL, cancel_requested
 from hpcrl.trainer.registry import TRAIN_ENGINES
@@ -134,6 +135,5 @@ def open_resumed(target: Path, overrides: list[str], rewind: bool = False) -> Ru
                     "after step %d return to the queue", resume_step, aside, run_dir / "ckpt" / "rewound",
                     resume_step)
     (run_dir / "jobs").mkdir(exist_ok=True)
-    with open(run_dir / "jobs" / "events.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    atomic.append_line(run_dir / "jobs" / "events.jsonl", json.dumps(event))
     return replace(cfg, run_dir=str(run_dir))

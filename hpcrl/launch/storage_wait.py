@@ -37,16 +37,16 @@ class StorageWait:
         self.keep_alive, self.interrupted, self.sleep, self.clock = keep_alive, interrupted, sleep, clock
         self.max_delay_s = max_delay_s
         self._since: float | None = None  # when the fault now open began
-        self._said: tuple | None = None  # what was said of it
+        self._said: str | None = None  # the filesystem it was said of
         self._delay = 1.0
         self.faults = 0  # faults said, over the supervision
 
     def fault(self, error: BaseException, what: str) -> float:
         """Note a storage fault met while doing ``what``; the seconds to wait before trying again."""
         err = as_storage_error(storage_fault(error) or error, what)  # type: ignore[arg-type]
-        key = (err.kind, err.filesystem.mount if err.filesystem else None)
-        if key != self._said:
-            self._open(key, f"while {what}: {err}")
+        mount = err.filesystem.mount if err.filesystem else None
+        if self._since is None or mount != self._said:  # one episode per filesystem, whatever met it first
+            self._open(mount, f"while {what}: {err}")
         delay, self._delay = self._delay, min(self.max_delay_s, self._delay * 2)
         return delay
 
@@ -61,12 +61,12 @@ class StorageWait:
             log.warning("%s stopped on a storage fault (exit 74; its log says which write failed); the filesystem "
                         "has room now (%s): restarting it", ", ".join(names), fs.describe())
             return
-        self._open(("component", fs.mount if fs else None), f"{what}; filesystem {fs.describe() if fs else self.run_dir}")
+        self._open(fs.mount if fs else None, f"{what}; filesystem {fs.describe() if fs else self.run_dir}")
 
-    def _open(self, key: tuple, what: str) -> None:
+    def _open(self, mount: str | None, what: str) -> None:
         if self._since is None:
             self._since = self.clock()
-        self._said, self.faults = key, self.faults + 1
+        self._said, self.faults = mount, self.faults + 1
         log.error("storage fault %s. The run goes on by itself once the filesystem has room: what stopped on it "
                   "restarts, free of charge, when %s are free (launch.min_free_gb). Free space there, or stop the "
                   "run with: python -m hpcrl cancel %s", what, human_bytes(self.min_free_bytes), self.run_dir)

@@ -92,6 +92,7 @@ class Watch:
                     raise
                 self.storage.pause(self.storage.fault(e, "watching the run"))
                 continue
+            self.storage.clear()  # a fault met in an earlier tick is over once there is room (said once)
             time.sleep(0.5)
         self.progress.maybe_print(force=True)
         _stop_rollouts(self.scheduler, self.jobs, self.cfg.launch.shutdown_timeout_s)

@@ -42,6 +42,7 @@ from hpcrl.launch.fleet import fleet_size
 from hpcrl.runtime.device import visible_device_count
 from hpcrl.runtime.heartbeat import Heartbeat
 from hpcrl.runtime.cputime import since, thread_cpu_s
+from hpcrl.fs.space import SpaceFloor
 from hpcrl.runtime.exits import component_exit
 from hpcrl.runtime.owner import Fence, NoFence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag
@@ -69,7 +70,9 @@ def build_worker(cfg: RunConfig, run_dir: Path, prep: Prepared, replica: int, *,
     tokenizer = load_tokenizer(prep.init_model)
     train_rows, _ = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path),
                                    prep.init_model)
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
+    floor = SpaceFloor(run_dir, int(cfg.launch.min_free_gb * 1e9), "admission (new prompt groups)")
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence,
+                             floor=floor)
     spool = Spool(run_dir / "spool", fence=fence)
     colocated = cfg.launch.mode == "colocated"
     # the service's client, or the scorer itself (reward.service: the reward component scores for every rollout)

@@ -33,6 +33,8 @@ import torch.distributed.checkpoint as dcp
 from hpcrl.fs import atomic
 from hpcrl.ckpt import store
 from hpcrl.ckpt.config import CheckpointConfig
+from hpcrl.fs.faults import human_bytes
+from hpcrl.fs.space import SpaceFloor
 from hpcrl.runtime.dist import DistContext
 from hpcrl.runtime.owner import Fence, NoFence
 
@@ -79,9 +81,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class Checkpointer:
     def __init__(self, root: Path, cfg: CheckpointConfig, ctx: DistContext, config_hash: str,
-                 fence: Fence | NoFence | None = None) -> None:
+                 fence: Fence | NoFence | None = None, floor: SpaceFloor | None = None) -> None:
         self.root, self.cfg, self.ctx, self.config_hash = root, cfg, ctx, config_hash
         self.fence = fence or NoFence()
+        self.floor = floor  # rank 0's: a periodic checkpoint without room for it is held off
         self.root.mkdir(parents=True, exist_ok=True)
         self._last_save = time.monotonic()
         self._swept = False  # the first save removes what earlier trainers left under construction
@@ -95,11 +98,24 @@ class Checkpointer:
         c = self.cfg
         want = (c.at_end and step == last_step) or (c.every_steps > 0 and step % c.every_steps == 0)
         want = want or (c.every_seconds > 0 and time.monotonic() - self._last_save >= c.every_seconds)
+        final = c.at_end and step == last_step  # never held off: the run's end needs it (a failed write restarts)
+        held = want and not final and self.ctx.is_main and self.floor is not None and \
+            not self.floor.ok(self._newest_size())
         if self.ctx.world_size > 1:
-            flag = torch.tensor([int(want)], device=self.ctx.device)
+            flag = torch.tensor([int(want), int(held)], device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            want = bool(flag.item())
-        return want
+            want, held = bool(flag[0].item()), bool(flag[1].item())
+        if held and self.ctx.is_main:
+            log.warning("checkpoint at step %d held off for lack of room (the newest took %s); the next due step "
+                        "tries again", step, human_bytes(self._newest_size()))
+        return want and not held
+
+    def _newest_size(self) -> int:
+        """Bytes of the newest committed checkpoint: what the next one will take, about."""
+        newest = store.committed(self.root)
+        if not newest:
+            return 0
+        return sum(p.stat().st_size for p in newest[-1][1].rglob("*") if p.is_file())
 
     def save(self, engine: TrainEngine, step: int, extra: dict[str, Any]) -> Path:
         t0 = time.time()

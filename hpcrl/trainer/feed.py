@@ -63,11 +63,14 @@ adds what the read-ahead did meanwhile.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Callable
 
 from hpcrl.admission.ledger import AdmissionLedger
+from hpcrl.fs.faults import StorageError
+from hpcrl.fs.space import SpaceFloor
 from hpcrl.spool.format import TrajectoryGroup, read_group
 from hpcrl.spool.readahead import ReadAhead
 from hpcrl.spool.store import Spool, SpoolEntry
@@ -82,6 +85,12 @@ def lost_policy_reason(entry: SpoolEntry, version: int) -> str:
 
 class BatchTimeout(RuntimeError):
     """No full batch arrived within ``trainer.batch_timeout_s``."""
+
+
+def _no_room(floor: SpaceFloor, version: int, timeout_s: float) -> StorageError:
+    cause = OSError(errno.ENOSPC, f"no batch for version {version} in {timeout_s:.0f}s while the filesystem is "
+                    "below launch.min_free_gb: the rollouts wait for storage", str(floor.path))
+    return StorageError("waiting for a batch", floor.path, cause)
 
 
 class BatchFeed:
@@ -212,6 +221,7 @@ class BatchFeed:
                 last_pass = time.monotonic() - t_pass
             if len(groups) < self.batch_size:
                 if time.monotonic() > deadline:
+                    self._below_floor(version)
                     raise BatchTimeout(f"only {len(groups)} of {self.batch_size} groups arrived for version "
                                        f"{version} in {self.timeout_s:.0f}s: are the rollouts alive?")
                 t = time.monotonic()
@@ -269,6 +279,13 @@ class BatchFeed:
         return ({"spool": self.spool_s, "spool_tail": self.spool_tail_s, "read_ahead": now[0] - last[0]},
                 {"spool/read_ahead_hits": now[1] - last[1], "spool/read_ahead_misses": now[2] - last[2],
                  "spool/read_ahead_offered": now[3] - last[3]})
+
+    def _below_floor(self, version: int) -> None:
+        """A batch that does not come while the run directory's filesystem is below its floor is a storage fault
+        (the trainer then stops with exit 74 and restarts once there is room), not a dead rollout."""
+        floor = self.ledger.floor
+        if floor is not None and not floor.ok():
+            raise _no_room(floor, version, self.timeout_s)
 
     def close(self) -> None:
         """Stop the read-ahead's worker (the trainer's exit)."""

@@ -49,6 +49,7 @@ from hpcrl.runtime.dist import DistContext, init_from_env
 from hpcrl.runtime.device import of as device_of
 from hpcrl.runtime.heartbeat import Heartbeat, beating
 from hpcrl.runtime.logs import setup_logging
+from hpcrl.fs.space import SpaceFloor
 from hpcrl.runtime.exits import component_exit
 from hpcrl.runtime.owner import Fence, Fenced, NoFence
 from hpcrl.runtime.preempt import EXIT_REQUEUE, Preempted, PreemptionFlag, request_slurm_requeue
@@ -217,7 +218,9 @@ def build_rank0(cfg: RunConfig, run_dir: Path, prep: Prepared, tokenizer,
                 fence: Fence | NoFence | None = None) -> tuple[BatchFeed, Reporter, Scorer]:
     """The pieces only rank 0 owns: the spool feed and the reporter."""
     train_rows, eval_rows = load_datasets(cfg, tokenizer, Path(prep.train_path), Path(prep.eval_path), prep.init_model)
-    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence)
+    floor = SpaceFloor(run_dir, int(cfg.launch.min_free_gb * 1e9), "the run directory's free space")
+    ledger = AdmissionLedger(run_dir / "admission", cfg.admission, len(train_rows), cfg.seed, fence=fence,
+                             floor=floor)
     feed = BatchFeed(Spool(run_dir / "spool", fence=fence), ledger, cfg.admission.batch_size,
                      cfg.admission.max_staleness, cfg.trainer.batch_timeout_s, keep=informative_filter(cfg.algo),
                      read_ahead=cfg.trainer.read_ahead, mark_taken=cfg.launch.mode != "colocated")
@@ -259,7 +262,8 @@ def _run(run_dir: Path) -> None:
     if reporter and published_adapter is not None:  # evaluation takes the whole policy: base + adapters merged
         reporter.whole_policy = adapter_merger(prep.init_model, published_adapter)
     heartbeat = Heartbeat(run_dir, f"trainer-r{ctx.rank}@{fence.instance}", cfg.launch.heartbeat_interval_s)
-    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence)
+    checkpointer = Checkpointer(run_dir / "ckpt", cfg.ckpt, ctx, config_hash(cfg), fence,
+                                SpaceFloor(run_dir, int(cfg.launch.min_free_gb * 1e9), "checkpointing"))
     wait = batch_wait(preempt, fence, heartbeat)
     try:
         start = resume(cfg, ctx, engine, checkpointer, feed, reporter, weights, fence)

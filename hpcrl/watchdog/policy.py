@@ -74,6 +74,8 @@ class Watchdog:
             state.free_restarts += 1
             return Decision("restart", f"{name} stopped for preemption/requeue (exit {exit_code})", 0.0)
         if exit_code == EXIT_STORAGE:  # not its fault: free of charge, but backed off while the fault lasts
+            if self.clock() - state.started >= self.cfg.backoff_max_s:
+                state.storage_stops = 0  # it ran a while since the last one: a new fault, not the same one
             delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * (2 ** min(state.storage_stops, 16)))
             state.storage_stops += 1
             return Decision("restart", f"{name} stopped on a storage fault (exit {exit_code}); restarting it once "

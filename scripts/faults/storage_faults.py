@@ -39,7 +39,7 @@ INSIDE = "HPCRL_STORAGE_FAULTS_INSIDE"
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
-    p.add_argument("--size-mb", type=int, default=1500, help="the filesystem's size")
+    p.add_argument("--size-mb", type=int, default=1000, help="the filesystem's size")
     p.add_argument("--steps", type=int, default=400, help="trainer.total_steps")
     p.add_argument("--faults", type=int, default=10, help="how many times the filesystem is filled")
     p.add_argument("--hold-s", type=float, default=40.0, help="how long it stays full each time")
@@ -168,10 +168,14 @@ def summarize(run_dir: Path, code: int, wall_s: float, faults: list[dict], log: 
 
     events = []
     try:
-        events = [json.loads(line) for line in (run_dir / "jobs" / "events.jsonl").read_text().splitlines()
-                  if line.strip()]
-    except (FileNotFoundError, ValueError):
-        pass
+        lines = (run_dir / "jobs" / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # a line the full filesystem cut
+            continue
     restarts = [e for e in events if e.get("action") == "restart"]
     rep = audit(run_dir) if (run_dir / "config.yaml").exists() else None
     return {
