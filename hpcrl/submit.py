@@ -25,8 +25,9 @@ resolved ``config.yaml`` in it -> prepare data, model and SFT warm start
 (initial and final held-out accuracy, wall time, throughput) and write it to
 ``<run_dir>/summary.json``. Exit 0 when the run completed, 1 when a component
 failed, 2 on a bad config, 3 when another ``--resume`` took the run over,
-4 when ``python -m hpcrl cancel`` stopped it, 74 when it was stopped while
-waiting for storage (a full or failing filesystem), 75 when stopped by a signal
+4 when ``python -m hpcrl cancel`` stopped it, 74 when a storage fault (a
+full or failing filesystem) stopped it before its components started or
+while it closed the run (a fault in between is waited out), 75 when stopped by a signal
 (resume any of them with ``--resume``, which also clears the cancel request).
 
 A new run that fails before any work (a bad model path, a partition Slurm
@@ -55,7 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.fs import atomic
-from hpcrl.fs.faults import EXIT_STORAGE, StorageError
+from hpcrl.fs.faults import EXIT_STORAGE, as_storage_error, storage_fault
 from hpcrl.config import ConfigError, RunConfig, load_config, save
 from hpcrl.runtime.logs import setup_logging
 from hpcrl.runtime.preempt import EXIT_REQUEUE, PreemptionFlag, request_slurm_requeue
@@ -235,9 +236,12 @@ def run(cfg: RunConfig, run_dir: Path, preempt: PreemptionFlag, resumed: bool) -
     except RunTakenOver as e:
         log.error("%s", e)
         return EXIT_FENCED
-    except StorageError as e:  # the supervisor waited for storage until it was stopped (a signal, a cancel)
-        log.error("stopped while waiting for storage: %s. Once there is room, continue with: python -m "
-                  "hpcrl.submit --resume %s", e, run_dir)
+    except OSError as e:  # a storage fault before the components started, or while closing the run
+        fault = storage_fault(e)
+        if fault is None:
+            raise
+        log.error("stopped on a storage fault: %s. Once there is room, continue with: python -m hpcrl.submit "
+                  "--resume %s", as_storage_error(fault), run_dir)
         return EXIT_STORAGE
     except RunCancelled as e:
         log.warning("%s. Continue with: python -m hpcrl.submit --resume %s", e, run_dir)

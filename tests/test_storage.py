@@ -350,3 +350,22 @@ def test_a_batch_that_does_not_come_while_below_the_floor_is_a_storage_fault_not
     assert info.value.errno == errno.ENOSPC and "launch.min_free_gb" in str(info.value)
     with pytest.raises(BatchTimeout):
         feed(1).next_batch(0)
+
+
+def test_a_network_timeout_is_no_storage_fault_but_a_filesystem_call_that_timed_out_is() -> None:
+    assert storage_fault(TimeoutError(errno.ETIMEDOUT, "Connection timed out")) is None
+    assert storage_fault(RuntimeError("connect failed: [Errno 110] Connection timed out")) is None
+    assert storage_fault(OSError(errno.ETIMEDOUT, "Connection timed out", "/lustre/run/spool/x")) is not None
+
+
+def test_where_hard_links_are_refused_an_exclusive_record_is_created_in_place(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tickets").mkdir()
+
+    def refused(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", src)
+
+    monkeypatch.setattr(os, "link", refused)
+    assert atomic.create_exclusive(tmp_path / "tickets" / "t0", b"first", tmp_path / "tmp")
+    assert not atomic.create_exclusive(tmp_path / "tickets" / "t0", b"second", tmp_path / "tmp")
+    assert (tmp_path / "tickets" / "t0").read_bytes() == b"first" and not list((tmp_path / "tmp").iterdir())

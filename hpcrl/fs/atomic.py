@@ -144,7 +144,7 @@ def create_exclusive(path: str | os.PathLike, data: bytes, tmp_dir: str | os.Pat
     anything appears under ``path``: no reader ever sees an empty or partial record.
     """
     path = Path(path)
-    tmp = temporary_name(Path(tmp_dir) / path.name)
+    tmp = temporary_name(Path(tmp_dir) / f"{path.parent.name}-{path.name}")  # tickets/t1 and reissue/t1 differ
     try:
         with guarded("exclusive create", path):
             _write_synced(tmp, data)
@@ -152,9 +152,35 @@ def create_exclusive(path: str | os.PathLike, data: bytes, tmp_dir: str | os.Pat
                 os.link(tmp, path)
             except FileExistsError:  # NFS: a retransmitted link that succeeded the first time says EEXIST too
                 return os.stat(tmp).st_nlink > 1
+            except OSError as e:
+                if e.errno not in _NO_LINKS:
+                    raise
+                return _create_in_place(path, data)
             return True
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # left behind, it is a temporary the sweep removes
+            tmp.unlink(missing_ok=True)
+
+
+_NO_LINKS = (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)  # filesystems without hard links here
+
+
+def _create_in_place(path: Path, data: bytes) -> bool:
+    """``O_CREAT | O_EXCL`` and a write: where hard links are refused. One creator still wins; a write that fails
+    removes the record again (a reader may see it empty meanwhile, and takes an empty record as being written)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return True
 
 
 def write_text(path: str | os.PathLike, text: str, sync_dir: bool = True) -> None:

@@ -102,7 +102,11 @@ class StorageError(OSError):
 
 
 def is_fault(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in FAULTS
+    """An ``OSError`` with a storage errno; ETIMEDOUT only from a call on a path (a network timeout, e.g. a
+    connect to an inference server, is not one)."""
+    if not isinstance(e, OSError) or e.errno not in FAULTS:
+        return False
+    return e.errno != errno.ETIMEDOUT or bool(e.filename)
 
 
 def _inner(error: BaseException) -> list[BaseException]:
@@ -129,7 +133,7 @@ def _from_text(error: BaseException) -> OSError | None:
         return None
     for match in _ERRNO_IN_TEXT.finditer(str(error)):
         code = int(match.group(1))
-        if code in FAULTS:
+        if code in FAULTS and code != errno.ETIMEDOUT:  # a text has no path to tell a network timeout apart
             fault = OSError(code, f"{os.strerror(code)} (reported by {type(error).__name__}: {error})")
             fault.__cause__ = error
             return fault

@@ -25,17 +25,18 @@ class SpaceFloor:
         self.path, self.min_free_bytes, self.what, self.every_s, self.clock = Path(path), min_free_bytes, what, \
             every_s, clock
         self._asked: float | None = None
+        self._extra = 0
         self._ok = True
 
     def ok(self, extra_bytes: int = 0) -> bool:
-        """Whether the floor (plus ``extra_bytes``, what the caller is about to write) is free now; a cached answer
-        within ``every_s`` of the last look unless ``extra_bytes`` is given."""
+        """Whether the floor (plus ``extra_bytes``, what the caller is about to write) is free now; the answer of
+        the last look for the same ``extra_bytes`` within ``every_s``."""
         if self.min_free_bytes <= 0 and extra_bytes <= 0:
             return True
         now = self.clock()
-        if extra_bytes == 0 and self._asked is not None and now - self._asked < self.every_s:
+        if self._asked is not None and now - self._asked < self.every_s and extra_bytes == self._extra:
             return self._ok
-        self._asked = now
+        self._asked, self._extra = now, extra_bytes
         fs = filesystem(self.path)
         ok = fs is None or fs.free_bytes >= self.min_free_bytes + extra_bytes  # unanswered: let the write say
         if ok != self._ok:

@@ -56,14 +56,27 @@ def temporaries(run_dir: Path) -> list[Path]:
 
 
 def _remove(path: Path) -> bool:
+    """Remove one temporary; False if it is gone or cannot be removed (said). A directory is first renamed to a
+    name of its own: if its writer were still alive, either its publishing rename or this one wins, never a
+    published directory half deleted."""
     try:
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            dead = path.with_name(f"{path.name}.dead")
+            path.rename(dead)
+            shutil.rmtree(dead, onerror=_left)
         else:
             path.unlink()
         return True
     except FileNotFoundError:
         return False
+    except OSError as e:  # e.g. a directory an NFS client still holds open (.nfsXXXX files): the next sweep retries
+        log.warning("could not remove the temporary %s: %s", path, e)
+        return False
+
+
+def _left(func: Callable, path: str, exc_info: tuple) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        log.warning("could not remove %s (%s): a later sweep tries again", path, exc_info[1])
 
 
 def remove(run_dir: Path, dead: Callable[[Path], bool]) -> Counter:

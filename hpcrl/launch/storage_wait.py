@@ -43,7 +43,9 @@ class StorageWait:
 
     def fault(self, error: BaseException, what: str) -> float:
         """Note a storage fault met while doing ``what``; the seconds to wait before trying again."""
-        err = as_storage_error(storage_fault(error) or error, what)  # type: ignore[arg-type]
+        fault = storage_fault(error) or error
+        # a fault without a path (a wrapped one) is the run directory's: its filesystem is the one said
+        err = as_storage_error(fault, what, None if getattr(fault, "filename", None) else self.run_dir)  # type: ignore
         mount = err.filesystem.mount if err.filesystem else None
         if self._since is None or mount != self._said:  # one episode per filesystem, whatever met it first
             self._open(mount, f"while {what}: {err}")
@@ -82,14 +84,24 @@ class StorageWait:
         self._since, self._said, self._delay = None, None, 1.0
 
     def pause(self, seconds: float) -> None:
-        """Wait ``seconds`` in short slices, keeping the owner's heartbeat alive; return early if interrupted."""
+        """Wait ``seconds`` in short slices, keeping the owner's heartbeat alive; return early if interrupted.
+        Both callbacks touch the filesystem: a storage fault in them is the fault being waited out."""
         end = self.clock() + seconds
-        while not self.interrupted():
-            self.keep_alive()
+        while not self._quietly(self.interrupted, False):
+            self._quietly(self.keep_alive, None)
             left = end - self.clock()
             if left <= 0:
                 return
             self.sleep(min(0.5, left))
+
+    @staticmethod
+    def _quietly(fn: Callable[[], T], otherwise: T) -> T:
+        try:
+            return fn()
+        except OSError as e:
+            if storage_fault(e) is None:
+                raise
+            return otherwise
 
     def retry(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` until it returns; a storage fault is noted and retried after a back-off, and raised as a
@@ -102,7 +114,7 @@ class StorageWait:
                 if fault is None:
                     raise
                 self.pause(self.fault(fault, what))
-                if self.interrupted():
+                if self._quietly(self.interrupted, False):
                     raise as_storage_error(fault, what) from e
                 continue
             self.clear()

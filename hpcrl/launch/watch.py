@@ -72,13 +72,21 @@ class Watch:
         self.draining: dict[str, float] = {}  # replica -> when it is killed if it has not exited
         self.parked: dict[str, float] = {}  # stopped on a storage fault -> earliest restart (monotonic)
         self.sweeper = Sweeper(run_dir, owner.epoch)
+        self.stopping: dict[str, str] = {}  # job id -> instance: stopped, its end not seen yet
         self.storage = StorageWait(run_dir, int(cfg.launch.min_free_gb * 1e9),
                                    keep_alive=lambda: owner.beat(cfg.launch.heartbeat_interval_s),
                                    interrupted=self._interrupted)
         self.autoscaler = Autoscaler(cfg, run_dir) if cfg.launch.autoscale.enabled else None
 
     def _interrupted(self) -> bool:
-        return (self.preempt is not None and self.preempt.requested) or cancel_requested(self.run_dir) is not None
+        if self.preempt is not None and self.preempt.requested:
+            return True
+        try:
+            return cancel_requested(self.run_dir) is not None
+        except OSError as e:  # an unreadable CANCEL file is no request (yet)
+            if storage_fault(e) is None:
+                raise
+            return False
 
     def run(self) -> None:
         """Supervise until the trainer is done; the watchdog resubmits what dies or hangs. A storage fault
@@ -90,6 +98,8 @@ class Watch:
             except Exception as e:
                 if storage_fault(e) is None:
                     raise
+                if self._interrupted():  # a signal or a cancel while the fault repeats: stop the run as asked
+                    self._stop_if_asked()
                 self.storage.pause(self.storage.fault(e, "watching the run"))
                 continue
             self.storage.clear()  # a fault met in an earlier tick is over once there is room (said once)
@@ -97,7 +107,7 @@ class Watch:
         self.progress.maybe_print(force=True)
         _stop_rollouts(self.scheduler, self.jobs, self.cfg.launch.shutdown_timeout_s)
         self.storage.retry(lambda: finalize(self.run_dir, Fence(self.run_dir, self.owner.epoch)), "closing the run")
-        removed = remove_all(self.run_dir)  # nothing writes any more
+        removed = remove_all(self.run_dir)  # nothing writes any more (what cannot be removed is logged)
         if removed:
             log.info("removed the temporaries stopped writers left: %s", dict(removed))
 
@@ -111,6 +121,7 @@ class Watch:
         if time.time() - self.cleaned > 600:  # temporaries of writers that died since (a live write takes seconds)
             Spool(run_dir / "spool").clean_tmp(older_than_s=3600)
             self.cleaned = time.time()
+        self._retire_ended()
         self.sweeper.tick()
         self.progress.maybe_print()
         self._stop_if_asked()
@@ -164,7 +175,15 @@ class Watch:
     def _cancel(self, name: str, how: signal.Signals = signal.SIGKILL) -> None:
         job_id, spec = self.jobs[name]
         self.scheduler.cancel(job_id, how)
-        self.sweeper.retired(spec.env[ENV_INSTANCE])
+        self.stopping[job_id] = spec.env[ENV_INSTANCE]
+
+    def _retire_ended(self) -> None:
+        """Hand the sweep the instances whose jobs were stopped and are now seen ended (a Slurm cancel is
+        asynchronous: a job may write for a while after it)."""
+        for job_id, instance in list(self.stopping.items()):
+            if self.scheduler.poll(job_id) is not None:
+                self.sweeper.retired(instance)
+                del self.stopping[job_id]
 
     def _act(self, name: str, code: int | None, decision: Decision) -> None:
         """Log the decision, then fail the run, or cancel the component (the whole trainer group) and resubmit
@@ -233,7 +252,7 @@ class Watch:
                 log.warning("%s did not stop within %.0fs of being drained; killing it", name,
                             cfg.launch.preempt_grace_s)
                 self.scheduler.cancel(job_id, signal.SIGKILL)
-            self.sweeper.retired(spec.env[ENV_INSTANCE])
+            self.stopping[job_id] = spec.env[ENV_INSTANCE]
             self.storage.retry(lambda: self._reclaim(writer_of(name, spec)), f"reissuing {name}'s tickets")
             del jobs[name], draining[name]
             self.parked.pop(name, None)

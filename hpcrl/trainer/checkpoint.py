@@ -88,6 +88,7 @@ class Checkpointer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._last_save = time.monotonic()
         self._swept = False  # the first save removes what earlier trainers left under construction
+        self._sized = (-1, 0)  # (step, bytes) of the newest committed checkpoint
 
     def has(self, step: int) -> bool:
         """Whether a committed checkpoint of ``step`` exists already."""
@@ -99,15 +100,18 @@ class Checkpointer:
         want = (c.at_end and step == last_step) or (c.every_steps > 0 and step % c.every_steps == 0)
         want = want or (c.every_seconds > 0 and time.monotonic() - self._last_save >= c.every_seconds)
         final = c.at_end and step == last_step  # never held off: the run's end needs it (a failed write restarts)
-        held = want and not final and self.ctx.is_main and self.floor is not None and \
+        maybe = want or c.every_seconds > 0  # another rank's clock may want one when this rank's does not
+        held = maybe and not final and self.ctx.is_main and self.floor is not None and \
             not self.floor.ok(self._newest_size())
         if self.ctx.world_size > 1:
             flag = torch.tensor([int(want), int(held)], device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             want, held = bool(flag[0].item()), bool(flag[1].item())
-        if held and self.ctx.is_main:
-            log.warning("checkpoint at step %d held off for lack of room (the newest took %s); the next due step "
-                        "tries again", step, human_bytes(self._newest_size()))
+        if want and held:
+            self._last_save = time.monotonic()  # a time-based one is tried again after every_seconds, not every step
+            if self.ctx.is_main:
+                log.warning("checkpoint at step %d held off for lack of room (the newest took %s); the next due "
+                            "step tries again", step, human_bytes(self._newest_size()))
         return want and not held
 
     def _newest_size(self) -> int:
@@ -115,7 +119,9 @@ class Checkpointer:
         newest = store.committed(self.root)
         if not newest:
             return 0
-        return sum(p.stat().st_size for p in newest[-1][1].rglob("*") if p.is_file())
+        if self._sized[0] != newest[-1][0]:
+            self._sized = (newest[-1][0], sum(p.stat().st_size for p in newest[-1][1].rglob("*") if p.is_file()))
+        return self._sized[1]
 
     def save(self, engine: TrainEngine, step: int, extra: dict[str, Any]) -> Path:
         t0 = time.time()
