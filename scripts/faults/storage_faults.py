@@ -12,7 +12,7 @@ free bytes it left), the supervisor's storage lines, the restarts for storage an
 ``jobs/events.jsonl``, the audit (violations, admitted / trained / dropped tickets, duplicates) and the
 temporaries left. Exit 0 when the run finished with exit 0, a clean audit and no temporary left.
 
-    python scripts/faults/storage_faults.py --faults 10 --hold-s 40 --out bench/faults/storage_full.json
+    python scripts/faults/storage_faults.py --faults 10 --hold-s 40 --steps 2000 --out bench/faults/storage_full.json
     python scripts/faults/storage_faults.py --steps 60 --faults 3 --hold-s 8 -- model.tiny_layers=2 ...
 
 Trailing ``key=value`` arguments are passed to the submit (after the script's own overrides).
